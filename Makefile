@@ -1,0 +1,33 @@
+# Two commands do all set-up on a fresh machine:
+#   make demo   - .venv, the tiny MoE model (cached), then the embedded default example end to end
+#   make test   - .venv, the vLLM CPU venv, a Slurm install, then the whole test suite
+PY ?= python3.11
+VENV := .venv
+PYTEST_ARGS ?=
+
+.PHONY: demo test venv vllm-env slurm tiny test-fast clean-runs
+
+venv: $(VENV)/.setup-done-v1
+$(VENV)/.setup-done-v1: pyproject.toml scripts/setup_venv.sh
+	PYTHON=$(PY) bash scripts/setup_venv.sh
+
+vllm-env:
+	PYTHON=$(PY) bash scripts/setup_vllm_venv.sh
+
+slurm:
+	bash scripts/install_slurm.sh
+
+tiny: venv
+	$(VENV)/bin/python -m launcher.tiny
+
+demo: venv tiny
+	$(VENV)/bin/launch examples/tiny/Qwen3-MoE-tiny/megatron_lm_ptq.yaml
+
+test: venv vllm-env slurm tiny
+	OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest tests $(PYTEST_ARGS)
+
+test-fast: venv
+	$(VENV)/bin/python -m pytest tests -m "not slow and not slurm and not vllm" $(PYTEST_ARGS)
+
+clean-runs:
+	rm -rf runs/

@@ -1,0 +1,235 @@
+"""`launch`: compose an example, validate it, plan it, run it.
+
+    launch CONFIG [overrides...] [--dry-run [--json]] [--preflight] [--resume RUN_DIR] [--detach]
+    launch validate CONFIG [overrides...]        compose + validate (no torch), exit 2 on errors
+    launch status RUN_DIR                        per-stage state (metadata.json, Slurm when submitted)
+    launch verify EXPORT_DIR [--recipe NAME] [--source HF_DIR]
+    launch suite EXAMPLES_DIR [--test-level N] [--junit FILE] [--summary FILE]
+
+Flags may stand before or after the overrides.  Overrides use Hydra's syntax
+(`stages.mmlu.lower_bound=0.62`, `executor=slurm`, `recipe=fp8_default`).
+Exit codes: 0 ok, 1 a stage failed, 2 invalid config or usage, 3 gate failed, 130 cancelled.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Optional
+
+EXIT_USAGE = 2
+_VALUE_FLAGS = {"--resume", "--run-id", "--test-level", "--junit", "--summary", "--recipe", "--source", "--runs-root"}
+_BOOL_FLAGS = {"--dry-run", "--json", "--preflight", "--detach", "--no-check-paths", "--help", "-h"}
+
+
+@dataclass
+class Args:
+    positional: list[str] = field(default_factory=list)
+    flags: dict[str, object] = field(default_factory=dict)
+
+    def flag(self, name: str, default=None):
+        return self.flags.get(name, default)
+
+
+def parse_args(argv: list[str]) -> Args:
+    """Positionals (config, overrides) and flags in any order. `--dryrun` is refused by name."""
+    out = Args()
+    i = 0
+    while i < len(argv):
+        tok = argv[i]
+        if tok in _BOOL_FLAGS:
+            out.flags[tok] = True
+        elif tok in _VALUE_FLAGS:
+            if i + 1 >= len(argv):
+                raise ValueError(f"{tok} needs a value")
+            out.flags[tok] = argv[i + 1]
+            i += 1
+        elif tok.startswith("--") and "=" in tok and tok.split("=", 1)[0] in _VALUE_FLAGS:
+            k, v = tok.split("=", 1)
+            out.flags[k] = v
+        elif tok.startswith("-") and not tok.startswith("--=") and "=" not in tok:
+            valid = ", ".join(sorted(_BOOL_FLAGS | _VALUE_FLAGS))
+            hint = " (did you mean --dry-run?)" if tok.replace("-", "") == "dryrun" else ""
+            raise ValueError(f"unknown flag {tok}{hint}; valid flags: {valid}")
+        else:
+            out.positional.append(tok)
+        i += 1
+    return out
+
+
+def _compose(args: Args):
+    from launcher.config.compose import compose_example
+
+    if not args.positional:
+        raise ValueError("missing CONFIG: the path of an example YAML (e.g. examples/tiny/Qwen3-MoE-tiny/megatron_lm_ptq.yaml)")
+    config, overrides = args.positional[0], args.positional[1:]
+    if args.flag("--runs-root"):
+        overrides = [*overrides, f"runs_root={args.flag('--runs-root')}"]
+    return compose_example(config, overrides)
+
+
+class RunVerb:
+    """Default verb: compose, validate, then dry-run, preflight or run the pipeline."""
+
+    def __call__(self, args: Args) -> int:
+        from launcher.config.validate import validate
+
+        cfg = _compose(args)
+        dry = bool(args.flag("--dry-run"))
+        warnings = validate(cfg, check_paths=not dry and not args.flag("--no-check-paths"))
+        for w in warnings:
+            print(f"[launch] warning: {w}", file=sys.stderr)
+        if dry:
+            return self.dry_run(cfg, as_json=bool(args.flag("--json")))
+        from launcher.pipeline import run_pipeline
+        from launcher.rundir import RunDirectory
+
+        resume = args.flag("--resume")
+        if resume:
+            run = RunDirectory(resume)
+            if not os.path.isfile(os.path.join(run.path, "metadata.json")):
+                raise ValueError(f"--resume {resume}: not a run directory (no metadata.json)")
+            run.write_config(cfg)
+        else:
+            run = RunDirectory.create(cfg, run_id=args.flag("--run-id"))
+        print(f"[launch] run directory: {run.path}", flush=True)
+        return run_pipeline(cfg, run, resume=bool(resume), preflight_only=bool(args.flag("--preflight")),
+                            detach=bool(args.flag("--detach")))
+
+    def dry_run(self, cfg, as_json: bool) -> int:
+        from omegaconf import OmegaConf
+
+        from launcher.pipeline import build_plans, describe_plan, format_json
+        from launcher.rundir import masked_config
+
+        plan = describe_plan(cfg)
+        if as_json:
+            print(format_json(plan))
+            return 0
+        print(OmegaConf.to_yaml(masked_config(cfg)))
+        print(f"# plan: job {cfg.job_name}, executor {cfg.executor.kind}, recipe {cfg.recipe.name}")
+        from launcher.config.validate import stage_dims
+
+        run_dir = os.path.join(os.path.abspath(cfg.runs_root), cfg.job_name, "<run_id>")
+        plans = {p.name: p for p in build_plans(cfg, run_dir)}
+        for st in plan["stages"]:
+            if not st["enabled"]:
+                reason = st.get("disabled_reason", "")
+                print(f"\n## {st['name']}: disabled" + (f" - {reason}" if reason else ""))
+                continue
+            dims = stage_dims(cfg, st["name"])
+            print(f"\n## {st['name']}: world {dims.world_size} = tp {dims.tp} x cp {dims.cp} x dp {dims.dp} x pp {dims.pp}"
+                  f"; experts: etp {dims.etp} x ep {dims.ep} x edp {dims.edp} x pp {dims.pp}")
+            if "shard_mode" in st:
+                print(f"   mmlu shard_mode {st['shard_mode']} (shards over {st['shard_group']})")
+            for kind, groups in dims.groups.items():
+                shown = groups if dims.world_size <= 16 else f"{len(groups)} groups of {len(groups[0])}"
+                print(f"   {kind:<9} {shown}")
+            print("   command: " + " ".join(self._command(cfg, plans[st["name"]])))
+        return 0
+
+    @staticmethod
+    def _command(cfg, plan) -> list[str]:
+        if cfg.executor.kind == "local":
+            from launcher.executors.local import LocalExecutor
+
+            return LocalExecutor(cfg.executor, "").agent_argv(plan, cfg.executor.master_port or 0)
+        return ["sbatch", plan.log_path.replace("log.txt", "job.sbatch"), "# srun", *plan.argv]
+
+
+class ValidateVerb:
+    """`launch validate CONFIG [overrides]`: compose and validate only (no torch, no processes)."""
+
+    def __call__(self, args: Args) -> int:
+        from launcher.config.validate import validate
+
+        cfg = _compose(args)
+        for w in validate(cfg, check_paths=not args.flag("--no-check-paths")):
+            print(f"warning: {w}", file=sys.stderr)
+        print(f"ok: {args.positional[0]} ({cfg.job_name}) is valid")
+        return 0
+
+
+class StatusVerb:
+    """`launch status RUN_DIR`: each stage's state (from Slurm when the run was submitted there)."""
+
+    def __call__(self, args: Args) -> int:
+        from launcher.rundir import RunDirectory
+
+        if not args.positional:
+            raise ValueError("usage: launch status RUN_DIR")
+        run = RunDirectory(args.positional[0])
+        if not os.path.isfile(os.path.join(run.path, "metadata.json")):
+            raise ValueError(f"{args.positional[0]}: not a run directory (no metadata.json)")
+        meta = run.metadata()
+        slurm_states: dict = {}
+        if meta.get("executor") == "slurm":
+            from launcher.executors.slurm import SlurmExecutor
+
+            slurm_states = SlurmExecutor.status(run.path)
+        print(f"run {meta['run_id']} ({meta['job_name']}): {meta.get('status')}")
+        worst = 0
+        for name, st in meta["stages"].items():
+            state = slurm_states.get(name, st.get("status"))
+            extra = f" job {st['job_id']}" if st.get("job_id") else ""
+            reason = f" - {st['reason']}" if st.get("reason") else ""
+            print(f"  {name:<11} {state}{extra}{reason}")
+            if str(state).lower() in ("failed", "cancelled", "timeout"):
+                worst = 1
+        return worst
+
+
+class VerifyVerb:
+    """`launch verify EXPORT_DIR [--recipe NAME] [--source HF_DIR]`: check an HF export."""
+
+    def __call__(self, args: Args) -> int:
+        from launcher.export.verify import verify_export_main
+
+        argv = list(args.positional)
+        for flag in ("--recipe", "--source"):
+            if args.flag(flag):
+                argv += [flag, str(args.flag(flag))]
+        return verify_export_main(argv)
+
+
+class SuiteVerb:
+    """`launch suite EXAMPLES_DIR [--test-level N] [--junit FILE] [--summary FILE]`: the nightly suite."""
+
+    def __call__(self, args: Args) -> int:
+        from launcher.suite import run_suite
+
+        if not args.positional:
+            raise ValueError("usage: launch suite EXAMPLES_DIR [--test-level N] [--junit FILE]")
+        return run_suite(args.positional[0], test_level=int(args.flag("--test-level", 0)),
+                         junit=args.flag("--junit"), summary=args.flag("--summary"),
+                         overrides=args.positional[1:])
+
+
+VERBS = {"validate": ValidateVerb, "status": StatusVerb, "verify": VerifyVerb, "suite": SuiteVerb}
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    from launcher.config.compose import ConfigError
+
+    try:
+        verb_cls = VERBS.get(argv[0]) if argv else None
+        if verb_cls is not None and not os.path.exists(argv[0]):
+            argv = argv[1:]
+        else:
+            verb_cls = RunVerb
+        args = parse_args(argv)
+        if args.flag("--help") or args.flag("-h") or not argv:
+            print(__doc__)
+            return 0 if argv else EXIT_USAGE
+        return verb_cls()(args)
+    except ConfigError as e:
+        print(f"launch: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except ValueError as e:
+        print(f"launch: {e}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

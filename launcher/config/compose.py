@@ -1,0 +1,196 @@
+"""Compose a pipeline config from any example file path plus Hydra overrides.
+
+The example file is the primary config; its defaults list picks the schema (`ptq_schema`) and
+one option of each group: `model` and `executor` (YAML under launcher/conf/) and `recipe`
+(YAML under the repository's recipes/).  Group options are stored in Hydra's ConfigStore,
+typed by their dataclass, so a wrong key in any of them is an error.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import re
+from typing import Sequence
+
+from omegaconf import DictConfig, OmegaConf
+
+from launcher.config import schema
+from launcher.config.hf_card import card_from_hf_config, read_hf_config
+
+PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(PACKAGE_DIR)
+CONF_DIR = os.path.join(PACKAGE_DIR, "conf")
+RECIPES_DIR = os.environ.get("PTQ_RECIPES_DIR", os.path.join(REPO_ROOT, "recipes"))
+
+GROUP_SCHEMAS = {
+    "model": schema.ModelCard,
+    "recipe": schema.RecipeConfig,
+}
+EXECUTOR_SCHEMAS = {"local": schema.LocalExecutorConfig, "slurm": schema.SlurmExecutorConfig}
+
+
+class ConfigError(ValueError):
+    """A user error in a config: names the key, the value and what would be valid."""
+
+
+def cache_dir() -> str:
+    """Where built artefacts (the tiny model, its data) live: $PTQ_CACHE_DIR or <repo>/.cache."""
+    return os.path.abspath(os.environ.get("PTQ_CACHE_DIR", os.path.join(REPO_ROOT, ".cache")))
+
+
+def _register_resolvers() -> None:
+    if not OmegaConf.has_resolver("ptq_cache"):
+        OmegaConf.register_new_resolver("ptq_cache", cache_dir)
+    if not OmegaConf.has_resolver("repo_root"):
+        OmegaConf.register_new_resolver("repo_root", lambda: REPO_ROOT)
+
+
+def _group_options(directory: str) -> dict[str, str]:
+    return {os.path.splitext(os.path.basename(p))[0]: p
+            for p in sorted(glob.glob(os.path.join(directory, "*.yaml")))}
+
+
+def recipe_names() -> list[str]:
+    return sorted(_group_options(RECIPES_DIR))
+
+
+def register_configs() -> None:
+    """Store the schema and every group option in Hydra's ConfigStore (idempotent)."""
+    from hydra.core.config_store import ConfigStore
+
+    _register_resolvers()
+    cs = ConfigStore.instance()
+    cs.store(name="ptq_schema", node=schema.PipelineConfig)
+    for group, directory in (("model", os.path.join(CONF_DIR, "model")), ("recipe", RECIPES_DIR)):
+        for name, path in _group_options(directory).items():
+            node = OmegaConf.merge(OmegaConf.structured(GROUP_SCHEMAS[group]), _load_yaml(path, group, name))
+            cs.store(group=group, name=name, node=node)
+    for name, path in _group_options(os.path.join(CONF_DIR, "executor")).items():
+        raw = _load_yaml(path, "executor", name)
+        kind = raw.get("kind", name)
+        if kind not in EXECUTOR_SCHEMAS:
+            raise ConfigError(f"executor/{name}.yaml: kind={kind!r} is not one of {sorted(EXECUTOR_SCHEMAS)}")
+        cs.store(group="executor", name=name,
+                 node=OmegaConf.merge(OmegaConf.structured(EXECUTOR_SCHEMAS[kind]), raw))
+
+
+def _load_yaml(path: str, group: str, name: str) -> DictConfig:
+    try:
+        return OmegaConf.load(path)
+    except Exception as e:  # noqa: BLE001 - re-raised with the file named
+        raise ConfigError(f"{group}/{name}: cannot parse {path}: {e}") from e
+
+
+def compose_example(path: str, overrides: Sequence[str] = ()) -> DictConfig:
+    """Compose `path` (an example YAML anywhere on disk) with Hydra overrides; resolve it.
+
+    Returns a resolved, struct-mode DictConfig whose model card is completed from the
+    checkpoint's config.json when the card says `from_checkpoint: true`.
+    """
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file {path!r} does not exist")
+    if not path.endswith((".yaml", ".yml")):
+        raise ConfigError(f"config file {path!r} is not a .yaml file")
+    register_configs()
+    config_dir = os.path.dirname(os.path.abspath(path))
+    name = os.path.splitext(os.path.basename(path))[0]
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(version_base="1.3", config_dir=config_dir, job_name="launch"):
+            cfg = compose(config_name=name, overrides=list(overrides))
+    except (HydraException, OmegaConfBaseException) as e:
+        raise ConfigError(_explain_hydra_error(e)) from e
+    finally:
+        GlobalHydra.instance().clear()
+    try:
+        OmegaConf.resolve(cfg)
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"cannot resolve {path}: {e}") from e
+    if "hydra" in cfg:
+        with _open_struct(cfg):
+            del cfg["hydra"]
+    _check_against_schema(cfg)
+    _complete_model_card(cfg)
+    return cfg
+
+
+def _check_against_schema(cfg: DictConfig) -> None:
+    """Re-merge onto the dataclasses: catches keys added with '+key=...' overrides too."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    data = OmegaConf.to_container(cfg, resolve=True)
+    executor = data.pop("executor", None) or {}
+    try:
+        OmegaConf.merge(OmegaConf.structured(schema.PipelineConfig), data)
+    except OmegaConfBaseException as e:
+        raise ConfigError(_unknown_key_message(e.full_key) if "not in" in str(e) else str(e)) from e
+    kind = executor.get("kind")
+    if kind not in EXECUTOR_SCHEMAS:
+        raise ConfigError(f"executor.kind={kind!r}: valid: {', '.join(sorted(EXECUTOR_SCHEMAS))}")
+    try:
+        OmegaConf.merge(OmegaConf.structured(EXECUTOR_SCHEMAS[kind]), executor)
+    except OmegaConfBaseException as e:
+        valid = ", ".join(sorted(OmegaConf.structured(EXECUTOR_SCHEMAS[kind]).keys()))
+        raise ConfigError(f"unknown or invalid key 'executor.{e.key}' for executor kind {kind!r}; valid keys: {valid}") from e
+
+
+class _open_struct:
+    def __init__(self, cfg: DictConfig):
+        self.cfg = cfg
+
+    def __enter__(self):
+        OmegaConf.set_struct(self.cfg, False)
+
+    def __exit__(self, *exc):
+        OmegaConf.set_struct(self.cfg, True)
+
+
+def _explain_hydra_error(e: Exception) -> str:
+    msg = str(e).split("\nConfig search path:")[0].strip()
+    unknown = re.search(r"Could not override '([\w.]+)'", msg) or re.search(r"Key '(\w+)' is not in struct", msg)
+    if unknown:
+        return _unknown_key_message(unknown.group(1))
+    cause = e.__cause__ or e.__context__
+    if "Error merging override" in msg and cause is not None:
+        return f"{msg}: {str(cause).splitlines()[0]}"
+    if "Could not find 'recipe/" in msg:
+        return f"{msg}\n(key: recipe; valid recipes: {', '.join(recipe_names())})"
+    return msg
+
+
+def _unknown_key_message(dotted: str) -> str:
+    """'stages.mmlu.bogus' -> which key is unknown and the valid keys at that level."""
+    node = OmegaConf.structured(schema.PipelineConfig)
+    parts = dotted.split(".")
+    for i, part in enumerate(parts[:-1]):
+        child = node.get(part) if isinstance(node, DictConfig) else None
+        if not isinstance(child, DictConfig):
+            break
+        node = child
+    valid = sorted(node.keys()) if isinstance(node, DictConfig) else []
+    return f"unknown key {dotted!r}; valid keys here: {', '.join(valid)}"
+
+
+def _complete_model_card(cfg: DictConfig) -> None:
+    """`model=from_checkpoint model.path=DIR`: fill every missing card field from DIR/config.json."""
+    card = cfg.model
+    if not card.from_checkpoint:
+        return
+    path = card.path if not OmegaConf.is_missing(card, "path") else None
+    if not path:
+        raise ConfigError("model.path is required with model=from_checkpoint (a local HF checkpoint directory)")
+    hf = read_hf_config(path)
+    if hf is None:
+        raise ConfigError(f"model.path={path!r}: no config.json there; model=from_checkpoint needs a local checkpoint")
+    defaults = schema.ModelCard()
+    for key, value in card_from_hf_config(hf).items():
+        # config.json fills every field left missing or at its schema default
+        if OmegaConf.is_missing(card, key) or card[key] is None or card[key] == getattr(defaults, key):
+            card[key] = value
+    if OmegaConf.is_missing(card, "name"):
+        card.name = os.path.basename(os.path.normpath(path))

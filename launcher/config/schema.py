@@ -1,0 +1,187 @@
+"""Structured-config schema: every key of a pipeline config, typed.
+
+Values live in YAML (examples/, launcher/conf/, recipes/); these dataclasses give every key a
+type and make unknown keys errors (OmegaConf struct mode).  Registered with Hydra's ConfigStore
+in ``launcher.config.compose``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from omegaconf import MISSING
+
+SHARD_MODES = ("auto", "balanced", "lockstep", "dense_dp")
+VLLM_MODES = ("server", "offline")
+ON_UNSUPPORTED = ("skip", "fail")
+DEVICES = ("auto", "cpu", "cuda")
+DISPATCHERS = ("alltoall", "allgather")
+BASELINE_MODES = ("none", "recorded", "evaluate")
+
+
+@dataclass
+class ModelCard:
+    """A checkpoint and the dimensions parallelism must divide."""
+
+    name: str = MISSING
+    architecture: str = MISSING        # HF `architectures[0]`
+    path: str = MISSING                # local HF checkpoint directory (or hub id when online)
+    from_checkpoint: bool = False      # fill the dimensions below from path/config.json
+    num_layers: int = MISSING
+    hidden_size: int = MISSING
+    num_attention_heads: int = MISSING
+    num_query_groups: int = MISSING
+    num_experts: int = 0               # 0: dense
+    moe_topk: int = 0
+    hybrid_pattern: Optional[str] = None  # e.g. Nemotron-H "MEMEM*E..." (M mamba, E MoE, * attn, - MLP)
+    vocab_size: Optional[int] = None
+    trust_remote_code: bool = False
+
+
+@dataclass
+class RecipeConfig:
+    """A quantization recipe: a named ModelOpt config, a ModelOpt recipe YAML, or none."""
+
+    name: str = MISSING
+    format: str = MISSING              # nvfp4 | fp8 | int4_awq | w4a8 | none  (what export must contain)
+    modelopt_cfg: Optional[str] = None  # e.g. NVFP4_DEFAULT_CFG (attribute of modelopt.torch.quantization)
+    recipe_path: Optional[str] = None   # a ModelOpt recipe YAML instead of a named config
+    exclude_modules: list[str] = field(default_factory=list)  # extra wildcard patterns left unquantized
+    quantize_experts: bool = True      # the stage fails if any expert is left unquantized
+    description: str = ""
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    etp: int = 1
+    cp: int = 1
+    world_size: Optional[int] = None   # default: the smallest world the degrees divide
+
+
+@dataclass
+class LocalExecutorConfig:
+    kind: str = "local"
+    device: str = "auto"               # auto | cpu | cuda
+    master_port: Optional[int] = None  # default: a free port
+    omp_num_threads: int = 1
+    collective_timeout_s: int = 120    # process-group timeout for every stage
+
+
+@dataclass
+class SlurmExecutorConfig:
+    kind: str = "slurm"
+    device: str = "auto"
+    partition: Optional[str] = None
+    account: Optional[str] = None
+    qos: Optional[str] = None
+    time: str = "01:00:00"
+    nodes: int = 1
+    gpus_per_node: int = 0
+    cpus_per_task: Optional[int] = None
+    mem: Optional[str] = None
+    container_image: Optional[str] = None
+    container_mounts: list[str] = field(default_factory=list)
+    setup: list[str] = field(default_factory=list)  # shell lines run before srun (module load ...)
+    python: str = "python"             # interpreter inside the allocation
+    env: dict[str, str] = field(default_factory=dict)
+    poll_interval_s: float = 2.0
+    omp_num_threads: int = 1
+    collective_timeout_s: int = 120
+    master_port: int = 29500
+
+
+@dataclass
+class CalibConfig:
+    dataset: str = MISSING             # jsonl (text | messages), .txt, or an HF datasets directory
+    size: int = 32
+    max_seq_len: int = 4096
+    batch_size: int = 1
+    text_key: str = "text"
+
+
+@dataclass
+class QuantizeStage:
+    enabled: bool = True
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    calib: CalibConfig = field(default_factory=CalibConfig)
+    dtype: str = "bfloat16"            # params dtype on GPU; CPU always runs fp32
+    moe_dispatcher: str = "alltoall"
+
+
+@dataclass
+class MmluStage:
+    enabled: bool = True
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    dataset: str = MISSING             # HF datasets dir (cais/mmlu layout), CSV dir, jsonl, or hub id
+    dev_dataset: Optional[str] = None  # few-shot source when `dataset` holds no dev split
+    fraction: float = 1.0
+    few_shots: int = 0
+    batch_size: int = 8
+    max_batch_tokens: Optional[int] = None  # token budget per batch (padded tokens)
+    max_seq_len: int = 4096
+    add_bos: Optional[bool] = None     # None: as lm-evaluation-harness does for the tokenizer
+    lower_bound: Optional[float] = None
+    max_drop: Optional[float] = None
+    baseline: str = "none"             # none | recorded | evaluate
+    baseline_accuracy: Optional[float] = None  # with baseline=recorded
+    shard_mode: str = "auto"           # auto | balanced | lockstep | dense_dp (tests only at EP>1)
+    allow_unsafe_shard_mode: bool = False  # test flag: permit dense_dp at EP>1 (reproduces the hang)
+    collective_timeout_s: int = 45     # guard + collectives: far below NCCL's 600 s
+    moe_dispatcher: str = "alltoall"
+
+
+@dataclass
+class ExportStage:
+    enabled: bool = True
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    name: str = "hf"                   # export/<name>
+    dtype: str = "bfloat16"
+    overwrite: bool = False
+    verify: bool = True
+    verify_samples: int = 4            # modules per kind compared against the Megatron weights
+
+
+@dataclass
+class VllmSmokeStage:
+    enabled: bool = False
+    disabled_reason: str = ""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    mode: str = "server"               # server | offline
+    python: Optional[str] = None       # interpreter with vLLM (default: .venv-vllm, then this one)
+    questions: int = 16                # from the gate's MMLU data, with known answers
+    prompts: Optional[str] = None      # or a jsonl {prompt, expected | contains}
+    min_accuracy: float = 0.5
+    max_tokens: int = 4
+    startup_timeout_s: int = 600
+    on_unsupported: str = "skip"       # skip | fail
+    force: bool = False                # skip the capability check (vLLM's own refusal is reported)
+    extra_args: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Stages:
+    quantize: QuantizeStage = field(default_factory=QuantizeStage)
+    mmlu: MmluStage = field(default_factory=MmluStage)
+    export: ExportStage = field(default_factory=ExportStage)
+    vllm_smoke: VllmSmokeStage = field(default_factory=VllmSmokeStage)
+
+
+STAGE_ORDER = ("quantize", "mmlu", "export", "vllm_smoke")
+
+
+@dataclass
+class PipelineConfig:
+    job_name: str = MISSING
+    note: str = ""
+    allow_to_fail: bool = False
+    test_level: int = 0
+    runs_root: str = "runs"
+    seed: int = 1234
+    model: ModelCard = MISSING
+    recipe: RecipeConfig = MISSING
+    executor: Any = MISSING            # LocalExecutorConfig | SlurmExecutorConfig (group `executor`)
+    stages: Stages = field(default_factory=Stages)
+    env: dict[str, str] = field(default_factory=dict)  # exported to every rank; secrets masked in config.yaml

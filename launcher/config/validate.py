@@ -1,0 +1,266 @@
+"""Validation of a composed pipeline config, before any process starts (no torch).
+
+Every problem is collected, then raised together as one ConfigError; each line names the key,
+the value and what would be valid.  ``check_paths=False`` (CI's example check, dry runs on a
+login node) skips checks that need checkpoints and datasets on this machine.
+"""
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+from omegaconf import DictConfig
+
+from launcher.config import schema
+from launcher.config.compose import ConfigError, recipe_names
+from launcher.config.hf_card import card_from_hf_config, read_hf_config
+from launcher.topology import ParallelDims, minimal_world_size
+
+SUPPORTED_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM", "NemotronHForCausalLM")
+RECIPE_FORMATS = ("nvfp4", "fp8", "int4_awq", "w4a8", "int8_sq", "none")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def is_hub_id(value: str) -> bool:
+    """'org/name' that is not a path on this machine."""
+    return bool(_HUB_ID.match(value)) and not os.path.exists(value) and not value.startswith((".", "/"))
+
+
+def stage_dims(cfg: DictConfig, stage: str) -> ParallelDims:
+    """ParallelDims of a stage (world size defaulted to the smallest the degrees divide)."""
+    p = cfg.stages[stage].parallel
+    world = p.world_size or minimal_world_size(p.tp, p.pp, p.cp, p.ep, p.etp)
+    return ParallelDims(world_size=world, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, etp=p.etp)
+
+
+def enabled_stages(cfg: DictConfig) -> list[str]:
+    return [s for s in schema.STAGE_ORDER if cfg.stages[s].enabled]
+
+
+class _Errors:
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def add(self, key: str, value: Any, problem: str) -> None:
+        self.lines.append(f"{key}={value!r}: {problem}")
+
+
+def validate(cfg: DictConfig, check_paths: bool = True) -> list[str]:
+    """Raise ConfigError listing every problem; return warnings (e.g. paths not checked)."""
+    err = _Errors()
+    warnings: list[str] = []
+    if not _JOB_NAME.match(str(cfg.job_name)):
+        err.add("job_name", cfg.job_name, "use letters, digits, '.', '_' and '-' (it names the run directory)")
+    if cfg.test_level < 0:
+        err.add("test_level", cfg.test_level, "must be >= 0")
+    _check_model(cfg, err, warnings, check_paths)
+    _check_recipe(cfg, err)
+    _check_executor(cfg, err)
+    if not enabled_stages(cfg):
+        err.add("stages", "all disabled", "enable at least one of " + ", ".join(schema.STAGE_ORDER))
+    for stage in enabled_stages(cfg):
+        if stage != "vllm_smoke":  # vLLM shards itself (tensor parallel only; KV heads replicate)
+            _check_parallel(cfg, stage, err)
+    _check_quantize(cfg, err, warnings, check_paths)
+    _check_mmlu(cfg, err, warnings, check_paths)
+    _check_export(cfg, err)
+    _check_vllm(cfg, err)
+    if err.lines:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(err.lines))
+    return warnings
+
+
+def _check_model(cfg: DictConfig, err: _Errors, warnings: list[str], check_paths: bool) -> None:
+    card = cfg.model
+    if card.architecture not in SUPPORTED_ARCHITECTURES:
+        err.add("model.architecture", card.architecture, f"not supported; valid: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    for key in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups"):
+        if card[key] < 1:
+            err.add(f"model.{key}", card[key], "must be >= 1")
+    if card.num_attention_heads >= 1 and card.num_query_groups >= 1 and card.num_attention_heads % card.num_query_groups:
+        err.add("model.num_query_groups", card.num_query_groups,
+                f"must divide model.num_attention_heads={card.num_attention_heads}")
+    if card.num_experts < 0 or (card.num_experts and not 1 <= card.moe_topk <= card.num_experts):
+        err.add("model.moe_topk", card.moe_topk, f"must be in 1..model.num_experts={card.num_experts}")
+    if card.hybrid_pattern is not None and len(card.hybrid_pattern) != card.num_layers:
+        err.add("model.hybrid_pattern", card.hybrid_pattern,
+                f"has {len(card.hybrid_pattern)} layers but model.num_layers={card.num_layers}")
+    hf = read_hf_config(card.path)
+    if hf is None:
+        if check_paths and not is_hub_id(card.path):
+            err.add("model.path", card.path, "no config.json there (a local Hugging Face checkpoint directory)")
+        elif not check_paths:
+            warnings.append(f"model.path={card.path!r} not checked (check_paths off)")
+        return
+    derived = card_from_hf_config(hf)
+    for key, value in derived.items():
+        if key == "vocab_size" and card.vocab_size is None:
+            continue
+        if card[key] != value:
+            err.add(f"model.{key}", card[key], f"the checkpoint's config.json says {value!r} ({card.path})")
+
+
+def _check_recipe(cfg: DictConfig, err: _Errors) -> None:
+    r = cfg.recipe
+    if r.format not in RECIPE_FORMATS:
+        err.add("recipe.format", r.format, f"valid: {', '.join(RECIPE_FORMATS)}")
+    if r.format == "none":
+        if r.modelopt_cfg or r.recipe_path:
+            err.add("recipe.modelopt_cfg", r.modelopt_cfg, "must be null for format none")
+    elif not r.modelopt_cfg and not r.recipe_path:
+        err.add("recipe", r.name, f"set recipe.modelopt_cfg or recipe.recipe_path; recipes: {', '.join(recipe_names())}")
+    if r.recipe_path and not os.path.isfile(r.recipe_path):
+        err.add("recipe.recipe_path", r.recipe_path, "file does not exist")
+
+
+def _check_executor(cfg: DictConfig, err: _Errors) -> None:
+    ex = cfg.executor
+    if ex.device not in schema.DEVICES:
+        err.add("executor.device", ex.device, f"valid: {', '.join(schema.DEVICES)}")
+    if ex.kind == "slurm" and ex.nodes < 1:
+        err.add("executor.nodes", ex.nodes, "must be >= 1")
+
+
+def _check_parallel(cfg: DictConfig, stage: str, err: _Errors) -> None:
+    p = cfg.stages[stage].parallel
+    key = f"stages.{stage}.parallel"
+    card = cfg.model
+    bad = False
+    for name in ("tp", "pp", "ep", "etp", "cp"):
+        if p[name] < 1:
+            err.add(f"{key}.{name}", p[name], "must be >= 1")
+            bad = True
+    if bad:
+        return
+    if card.num_experts:
+        if card.num_experts % p.ep:
+            err.add(f"{key}.ep", p.ep, f"must divide model.num_experts={card.num_experts} "
+                    f"(valid: {', '.join(map(str, divisors(card.num_experts)))})")
+    elif p.ep != 1 or p.etp != 1:
+        err.add(f"{key}.ep", p.ep, f"model {card.name} is dense (no experts): ep and etp must be 1")
+    if card.num_layers % p.pp:
+        what = "the hybrid pattern's" if card.hybrid_pattern else "model.num_layers="
+        err.add(f"{key}.pp", p.pp, f"must divide {what}{card.num_layers} layers "
+                f"(valid: {', '.join(map(str, divisors(card.num_layers)))})")
+    for dim in ("num_attention_heads", "num_query_groups"):
+        if card[dim] % p.tp:
+            err.add(f"{key}.tp", p.tp, f"must divide model.{dim}={card[dim]} "
+                    f"(valid: {', '.join(map(str, divisors(card[dim])))})")
+    world = p.world_size or minimal_world_size(p.tp, p.pp, p.cp, p.ep, p.etp)
+    dense, expert = p.tp * p.cp * p.pp, p.etp * p.ep * p.pp
+    if world % dense:
+        err.add(f"{key}.world_size", world, f"must be a multiple of tp*cp*pp = {p.tp}*{p.cp}*{p.pp} = {dense}")
+    if world % expert:
+        err.add(f"{key}.world_size", world, f"must be a multiple of etp*ep*pp = {p.etp}*{p.ep}*{p.pp} = {expert}")
+
+
+def _check_quantize(cfg: DictConfig, err: _Errors, warnings: list[str], check_paths: bool) -> None:
+    q = cfg.stages.quantize
+    if not q.enabled:
+        return
+    c = q.calib
+    for key in ("size", "max_seq_len", "batch_size"):
+        if c[key] < 1:
+            err.add(f"stages.quantize.calib.{key}", c[key], "must be >= 1")
+    if q.moe_dispatcher not in schema.DISPATCHERS:
+        err.add("stages.quantize.moe_dispatcher", q.moe_dispatcher, f"valid: {', '.join(schema.DISPATCHERS)}")
+    if cfg.recipe.format != "none":
+        _check_path(c.dataset, "stages.quantize.calib.dataset", err, warnings, check_paths, hub_ok=False)
+
+
+def _check_path(value: str, key: str, err: _Errors, warnings: list[str], check_paths: bool, hub_ok: bool) -> None:
+    if os.path.exists(value):
+        return
+    if hub_ok and is_hub_id(value):
+        if check_paths and os.environ.get("HF_HUB_OFFLINE") == "1":
+            err.add(key, value, "a hub id, but HF_HUB_OFFLINE=1: give a local path")
+        return
+    if check_paths:
+        err.add(key, value, "path does not exist" + ("" if hub_ok else " (a local file or directory is required)"))
+    else:
+        warnings.append(f"{key}={value!r} not checked (check_paths off)")
+
+
+def _check_mmlu(cfg: DictConfig, err: _Errors, warnings: list[str], check_paths: bool) -> None:
+    m = cfg.stages.mmlu
+    if not m.enabled:
+        return
+    key = "stages.mmlu"
+    if not 0 < m.fraction <= 1:
+        err.add(f"{key}.fraction", m.fraction, "must satisfy 0 < fraction <= 1")
+    if m.lower_bound is not None and not 0 <= m.lower_bound <= 1:
+        err.add(f"{key}.lower_bound", m.lower_bound, "must satisfy 0 <= lower_bound <= 1")
+    if m.max_drop is not None and not 0 <= m.max_drop <= 1:
+        err.add(f"{key}.max_drop", m.max_drop, "must satisfy 0 <= max_drop <= 1")
+    if m.baseline not in schema.BASELINE_MODES:
+        err.add(f"{key}.baseline", m.baseline, f"valid: {', '.join(schema.BASELINE_MODES)}")
+    if m.baseline == "recorded" and m.baseline_accuracy is None:
+        err.add(f"{key}.baseline_accuracy", None, "required with baseline=recorded")
+    if m.max_drop is not None and m.baseline == "none":
+        err.add(f"{key}.max_drop", m.max_drop, "needs a baseline: set stages.mmlu.baseline to recorded or evaluate")
+    if m.lower_bound is None and m.max_drop is None:
+        warnings.append("stages.mmlu has neither lower_bound nor max_drop: the gate always passes")
+    for k in ("batch_size", "max_seq_len", "collective_timeout_s"):
+        if m[k] < 1:
+            err.add(f"{key}.{k}", m[k], "must be >= 1")
+    if m.few_shots < 0:
+        err.add(f"{key}.few_shots", m.few_shots, "must be >= 0")
+    if m.max_batch_tokens is not None and m.max_batch_tokens < m.max_seq_len and m.max_batch_tokens < 1:
+        err.add(f"{key}.max_batch_tokens", m.max_batch_tokens, "must be >= 1")
+    if m.moe_dispatcher not in schema.DISPATCHERS:
+        err.add(f"{key}.moe_dispatcher", m.moe_dispatcher, f"valid: {', '.join(schema.DISPATCHERS)}")
+    if m.shard_mode not in schema.SHARD_MODES:
+        err.add(f"{key}.shard_mode", m.shard_mode, f"valid: {', '.join(schema.SHARD_MODES)}")
+    elif m.shard_mode == "dense_dp" and m.parallel.ep > 1 and not m.allow_unsafe_shard_mode:
+        err.add(f"{key}.shard_mode", m.shard_mode,
+                f"shards batches over the dense data-parallel group, which desyncs the expert all-to-all at "
+                f"ep={m.parallel.ep} (the seed bug); use auto, balanced or lockstep")
+    _check_path(m.dataset, f"{key}.dataset", err, warnings, check_paths, hub_ok=True)
+    if m.dev_dataset:
+        _check_path(m.dev_dataset, f"{key}.dev_dataset", err, warnings, check_paths, hub_ok=True)
+    elif m.few_shots and m.dataset.endswith(".jsonl"):
+        err.add(f"{key}.few_shots", m.few_shots, "a jsonl dataset has no dev split: set stages.mmlu.dev_dataset")
+    if not cfg.stages.quantize.enabled and cfg.recipe.format != "none":
+        warnings.append("stages.mmlu evaluates the unquantized checkpoint: stages.quantize is disabled")
+
+
+def _check_export(cfg: DictConfig, err: _Errors) -> None:
+    e = cfg.stages.export
+    if not e.enabled:
+        return
+    why = "ModelOpt's Megatron->HF export silently corrupts at tp>1 (empty tensors) and ep>1 (drops experts)"
+    if e.parallel.tp != 1:
+        err.add("stages.export.parallel.tp", e.parallel.tp, f"must be 1: {why}; use pp to spread the model")
+    if e.parallel.ep != 1:
+        err.add("stages.export.parallel.ep", e.parallel.ep, f"must be 1: {why}; use pp to spread the model")
+    if not re.match(r"^[\w.-]+$", e.name):
+        err.add("stages.export.name", e.name, "must be a plain directory name")
+    if not cfg.stages.quantize.enabled and cfg.recipe.format != "none":
+        err.add("stages.export.enabled", True,
+                f"exporting recipe {cfg.recipe.name!r} needs stages.quantize's checkpoint; enable stages.quantize "
+                "or use recipe=none")
+
+
+def _check_vllm(cfg: DictConfig, err: _Errors) -> None:
+    v = cfg.stages.vllm_smoke
+    if not v.enabled:
+        return
+    if v.mode not in schema.VLLM_MODES:
+        err.add("stages.vllm_smoke.mode", v.mode, f"valid: {', '.join(schema.VLLM_MODES)}")
+    if v.on_unsupported not in schema.ON_UNSUPPORTED:
+        err.add("stages.vllm_smoke.on_unsupported", v.on_unsupported, f"valid: {', '.join(schema.ON_UNSUPPORTED)}")
+    if not 0 <= v.min_accuracy <= 1:
+        err.add("stages.vllm_smoke.min_accuracy", v.min_accuracy, "must satisfy 0 <= min_accuracy <= 1")
+    if v.questions < 1 and not v.prompts:
+        err.add("stages.vllm_smoke.questions", v.questions, "must be >= 1")
+    if cfg.model.num_attention_heads % v.parallel.tp:
+        err.add("stages.vllm_smoke.parallel.tp", v.parallel.tp,
+                f"must divide model.num_attention_heads={cfg.model.num_attention_heads}")
+    if not cfg.stages.export.enabled:
+        err.add("stages.vllm_smoke.enabled", True, "serves stages.export's checkpoint: enable stages.export")

@@ -1,0 +1,88 @@
+"""Local executor: every stage as N processes on this machine.
+
+`launch` (no torch) starts ``launcher.executors.local_agent`` (torch.distributed's elastic
+agent used as a library) in its own process group, tees its output to the stage's log.txt
+and to the console, and maps its exit code to a state.  Ctrl-C / SIGTERM stop the whole group.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+from launcher.executors.base import CANCELLED, COMPLETED, FAILED, StagePlan
+
+
+@dataclass
+class StageResult:
+    state: str
+    exit_code: int
+    duration_s: float
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalExecutor:
+    def __init__(self, cfg, run_dir: str, echo: bool = True):
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.echo = echo
+        self._proc: subprocess.Popen | None = None
+
+    def agent_argv(self, plan: StagePlan, port: int) -> list[str]:
+        return [sys.executable, "-m", "launcher.executors.local_agent", str(plan.world_size), str(port), "--", *plan.argv]
+
+    def environment(self, plan: StagePlan) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(plan.env)
+        env["PYTHONUNBUFFERED"] = "1"
+        env.setdefault("OMP_NUM_THREADS", str(self.cfg.omp_num_threads))
+        return env
+
+    def run_stage(self, plan: StagePlan) -> StageResult:
+        port = self.cfg.master_port or free_port()
+        os.makedirs(os.path.dirname(plan.log_path), exist_ok=True)
+        start = time.time()
+        with open(plan.log_path, "a", buffering=1) as log:
+            log.write(f"# {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(self.agent_argv(plan, port))}\n")
+            self._proc = subprocess.Popen(
+                self.agent_argv(plan, port), env=self.environment(plan), stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True)
+            try:
+                assert self._proc.stdout is not None
+                for line in self._proc.stdout:
+                    log.write(line)
+                    if self.echo:
+                        sys.stdout.write(line)
+                        sys.stdout.flush()
+                code = self._proc.wait()
+            except KeyboardInterrupt:
+                self.cancel()
+                log.write("# cancelled (Ctrl-C)\n")
+                return StageResult(CANCELLED, 130, time.time() - start)
+            finally:
+                self._proc = None
+        return StageResult(COMPLETED if code == 0 else FAILED, code, time.time() - start)
+
+    def cancel(self) -> None:
+        proc = self._proc
+        if proc is None or proc.poll() is not None:
+            return
+        for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                proc.wait(timeout=wait)
+                return
+            except subprocess.TimeoutExpired:
+                continue

@@ -1,0 +1,331 @@
+"""Slurm executor: one sbatch job per stage, chained by job dependencies; state read from Slurm.
+
+Submission is plain ``sbatch --parsable`` and state is ``scontrol show job -o`` - no client
+library.  submitit (tried here, notes/local-slurm.md) pickles a Python callable and polls
+``sacct``: our stages are already a command line (``python -m launcher.worker STAGE RUN_DIR``), we
+need the script itself rendered by a pure, golden-tested function, and without slurmdbd ``sacct``
+fails, so submitit waits forever on a job cancelled from outside.  ``scontrol`` answers for every
+job the controller remembers (``MinJobAge``, 300 s by default) on every cluster, with or without
+accounting, and gives state, reason and exit code - everything we report.
+
+Per stage the executor writes ``<run_dir>/slurm/<stage>.sbatch`` (see slurm_script.py), submits
+it with ``--dependency`` on the stages before it (``afterok``; ``afterany`` after a stage that may
+fail, plus ``afterok`` on the last stage that may not) and ``--kill-on-invalid-dep=yes`` (Slurm
+itself cancels a dependant that can never start, even when nobody follows), and records every job in
+``<run_dir>/slurm/jobs.json``.  ``follow`` polls the jobs, calls ``on_state`` on every change,
+tails each stage's log to the console, cancels dependants that can never start
+(``DependencyNeverSatisfied``) so nothing lingers, and returns each stage's final state -
+exactly Slurm's word: COMPLETED, FAILED, CANCELLED, TIMEOUT, OUT_OF_MEMORY, NODE_FAIL, ...
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+from launcher.executors.base import StagePlan
+from launcher.executors.slurm_script import dependency_spec, render_sbatch, split_secret_env, stage_env
+from launcher.executors.slurm_state import (
+    FINAL_STATES,
+    UNKNOWN,
+    JobInfo,
+    is_invalid_job_error,
+    job_info,
+    parse_sbatch_parsable,
+    parse_scontrol_jobs,
+)
+
+JOBS_FILE = "jobs.json"
+INSTALL_HINT = ("install the Slurm client tools (Debian/Ubuntu: `apt-get install slurm-client`, or "
+                "`module load slurm` on your cluster) or run with executor=local")
+# a job the controller has forgotten (older than MinJobAge) is reported UNKNOWN after this many polls
+UNKNOWN_AFTER_POLLS = 3
+# how long scontrol may keep failing (controller down or restarting) before follow gives up
+CONTROLLER_GRACE_S = 120.0
+
+OnState = Callable[[str, str, dict], None]
+
+
+class SlurmError(RuntimeError):
+    """A Slurm command failed; the message says which, with its output."""
+
+
+def _tool(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        raise SlurmError(f"`{name}` not found on PATH: {INSTALL_HINT}")
+    return path
+
+
+def _client_env(extra: Optional[dict[str, str]] = None) -> dict[str, str]:
+    """os.environ without inherited SLURM_* job variables (launching from inside an allocation
+    must not leak SLURM_NTASKS & co. into the new jobs), plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") or k == "SLURM_CONF"}
+    env.update(extra or {})
+    return env
+
+
+def _run(argv: list[str], env: Optional[dict[str, str]] = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run(argv, env=env or _client_env(), capture_output=True, text=True, timeout=timeout)
+    except FileNotFoundError:
+        raise SlurmError(f"`{argv[0]}` not found: {INSTALL_HINT}") from None
+    except subprocess.TimeoutExpired as e:
+        raise SlurmError(f"`{' '.join(argv)}` did not answer within {timeout:.0f} s") from e
+
+
+def _get(cfg: Any, key: str, default: Any = None) -> Any:
+    if isinstance(cfg, dict):
+        return cfg.get(key, default)
+    return getattr(cfg, key, default)
+
+
+def _write_json_atomic(path: str, data: Any) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=2)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def query_jobs(job_ids: Iterable[str]) -> dict[str, Optional[JobInfo]]:
+    """Current state of each job from ``scontrol show job -o ID``; None for a job Slurm no longer knows.
+
+    Raises SlurmError when scontrol itself fails (controller unreachable).
+    """
+    scontrol = _tool("scontrol")
+    out: dict[str, Optional[JobInfo]] = {}
+    for jid in job_ids:
+        r = _run([scontrol, "show", "job", "-o", str(jid)], timeout=30)
+        if r.returncode != 0:
+            if is_invalid_job_error(r.stderr):
+                out[jid] = None
+                continue
+            raise SlurmError(f"scontrol show job {jid} failed (exit {r.returncode}): {r.stderr.strip()}")
+        jobs = parse_scontrol_jobs(r.stdout)
+        out[jid] = job_info(jobs[jid]) if jid in jobs else None
+    return out
+
+
+def scancel(job_ids: Sequence[str]) -> subprocess.CompletedProcess:
+    """Cancel jobs (dependants first, so none of them starts in between); errors for jobs that
+    already ended are ignored."""
+    return _run([_tool("scancel"), *[str(j) for j in reversed(list(job_ids))]], timeout=60)
+
+
+class SlurmExecutor:
+    """Run a pipeline's stages as chained sbatch jobs.  ``cfg``: a SlurmExecutorConfig (DictConfig
+    or dataclass); ``run_dir``: the run directory (scripts and jobs.json go to ``run_dir/slurm``)."""
+
+    def __init__(self, cfg: Any, run_dir: str, echo: Optional[Callable[[str], None]] = None):
+        self.cfg = cfg
+        self.run_dir = os.path.abspath(run_dir)
+        self.slurm_dir = os.path.join(self.run_dir, "slurm")
+        self.jobs_path = os.path.join(self.slurm_dir, JOBS_FILE)
+        self.echo = echo if echo is not None else (lambda line: print(line, flush=True))
+        self.poll_interval_s = float(_get(cfg, "poll_interval_s", 2.0) or 2.0)
+        self._record: Optional[dict] = None
+
+    # ------------------------------------------------------------------ helpers for the pipeline
+    def worker_argv(self, stage: str) -> list[str]:
+        """What every rank of ``stage`` runs inside the allocation (executor.python, not this one)."""
+        return [str(_get(self.cfg, "python", "python") or "python"), "-m", "launcher.worker", stage, self.run_dir]
+
+    # ------------------------------------------------------------------ submit
+    def submit(self, plans: list[StagePlan]) -> list[str]:
+        """Submit one job per plan, in order, each depending on the ones before; returns job ids.
+
+        If a submission fails, the jobs already submitted are cancelled and SlurmError says why.
+        """
+        sbatch = _tool("sbatch")
+        os.makedirs(self.slurm_dir, exist_ok=True)
+        previous = None
+        if os.path.exists(self.jobs_path):  # a resumed run: keep the earlier submission's record
+            with open(self.jobs_path) as f:
+                previous = json.load(f)
+        record: dict[str, Any] = {"run_dir": self.run_dir, "stages": {}, "order": []}
+        if previous:
+            record["previous"] = previous.get("previous", []) + [{k: v for k, v in previous.items() if k != "previous"}]
+        ids: list[str] = []
+        for i, plan in enumerate(plans):
+            script = render_sbatch(plan, self.cfg, self.run_dir)
+            path = os.path.join(self.slurm_dir, f"{plan.name}.sbatch")
+            with open(path, "w") as f:
+                f.write(script)
+            os.makedirs(os.path.dirname(os.path.abspath(plan.log_path)), exist_ok=True)
+            log_offset = os.path.getsize(plan.log_path) if os.path.exists(plan.log_path) else 0
+            dep = dependency_spec(i, plans, ids)
+            argv = [sbatch, "--parsable", "--kill-on-invalid-dep=yes"]
+            if dep:
+                argv.append(f"--dependency={dep}")
+            argv.append(path)
+            _, secret = split_secret_env(stage_env(plan, self.cfg))
+            r = _run(argv, env=_client_env(secret))
+            if r.returncode != 0:
+                if ids:
+                    scancel(ids)
+                raise SlurmError(f"sbatch failed for stage {plan.name} (exit {r.returncode}): "
+                                 f"{(r.stderr or r.stdout).strip()}\n  script: {path}"
+                                 + (f"\n  cancelled the stages submitted before it: {ids}" if ids else ""))
+            job_id = parse_sbatch_parsable(r.stdout)
+            ids.append(job_id)
+            record["order"].append(plan.name)
+            record["stages"][plan.name] = {
+                "job_id": job_id, "script": path, "log": os.path.abspath(plan.log_path),
+                "log_offset": log_offset, "dependency": dep, "allow_to_fail": bool(plan.allow_to_fail),
+                "world_size": plan.world_size, "submitted_at": time.time(), "final_state": None,
+            }
+            _write_json_atomic(self.jobs_path, record)   # after each job: a crash still leaves a record
+        self._record = record
+        return ids
+
+    # ------------------------------------------------------------------ follow
+    def _load_record(self) -> dict:
+        if self._record is None:
+            if not os.path.exists(self.jobs_path):
+                raise SlurmError(f"{self.jobs_path} not found: nothing was submitted for this run")
+            with open(self.jobs_path) as f:
+                self._record = json.load(f)
+        return self._record
+
+    def follow(self, job_ids: Sequence[str], on_state: Optional[OnState] = None,
+               timeout_s: Optional[float] = None, tail_logs: bool = True) -> dict[str, str]:
+        """Poll until every job has a final state; returns {stage: state}.
+
+        ``on_state(stage, state, info)`` is called whenever a job's state or reason changes
+        (info: job_id, state, reason, exit_code, signal, node_list, times).  A job pending on a
+        dependency that can never be satisfied is cancelled here (if Slurm has not already done
+        so) and reported CANCELLED with reason DependencyNeverSatisfied.  With ``timeout_s`` a
+        TimeoutError is raised when it passes (the caller decides whether to cancel).
+        """
+        record = self._load_record()
+        by_id = {s["job_id"]: name for name, s in record["stages"].items()}
+        stage_of = {jid: by_id.get(jid, jid) for jid in job_ids}
+        offsets = {jid: record["stages"].get(stage_of[jid], {}).get("log_offset", 0) for jid in job_ids}
+        logs = {jid: record["stages"].get(stage_of[jid], {}).get("log") for jid in job_ids}
+        last: dict[str, tuple] = {}
+        final: dict[str, JobInfo] = {}
+        missing: dict[str, int] = {}
+        cancelled_by_us: set[str] = set()
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        failing_since: Optional[float] = None
+        while True:
+            pending = [j for j in job_ids if j not in final]
+            try:
+                infos = query_jobs(pending)
+                failing_since = None
+            except SlurmError:
+                failing_since = failing_since or time.monotonic()
+                if time.monotonic() - failing_since > CONTROLLER_GRACE_S:
+                    raise
+                infos = {}
+            for jid in pending:
+                if jid not in infos:
+                    continue
+                info = infos[jid]
+                if info is None:
+                    missing[jid] = missing.get(jid, 0) + 1
+                    if missing[jid] < UNKNOWN_AFTER_POLLS:
+                        continue
+                    info = JobInfo(job_id=jid, state=UNKNOWN, reason="job no longer known to slurmctld")
+                if info.never_satisfied and jid not in cancelled_by_us:
+                    scancel([jid])
+                    cancelled_by_us.add(jid)
+                if tail_logs and logs.get(jid):
+                    offsets[jid] = self._tail(logs[jid], offsets[jid])
+                key = (info.state, info.reason)
+                if last.get(jid) != key:
+                    last[jid] = key
+                    if on_state:
+                        on_state(stage_of[jid], info.state, {"stage": stage_of[jid], **info.as_dict()})
+                if info.final or info.state == UNKNOWN:
+                    final[jid] = info
+            if len(final) == len(job_ids):
+                break
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"Slurm jobs {pending} not finished after {timeout_s:.0f} s")
+            time.sleep(self.poll_interval_s)
+        result = {stage_of[j]: final[j].state for j in job_ids}
+        for jid, info in final.items():
+            st = record["stages"].get(stage_of[jid])
+            if st is not None:
+                st["final_state"] = info.state
+                st["final_info"] = info.as_dict()
+        if os.path.isdir(self.slurm_dir):
+            _write_json_atomic(self.jobs_path, record)
+        return result
+
+    def _tail(self, path: str, offset: int) -> int:
+        """Echo the complete new lines of ``path`` after ``offset``; returns the new offset."""
+        try:
+            with open(path, "rb") as f:
+                f.seek(offset)
+                data = f.read()
+        except FileNotFoundError:
+            return offset
+        end = data.rfind(b"\n")
+        if end < 0:
+            return offset
+        for line in data[: end + 1].decode("utf-8", "replace").splitlines():
+            self.echo(line)
+        return offset + end + 1
+
+    # ------------------------------------------------------------------ cancel / status
+    def cancel(self, job_ids: Sequence[str]) -> None:
+        """scancel the jobs (Ctrl-C in `launch`); jobs that already ended are left as they are."""
+        if job_ids:
+            scancel(job_ids)
+
+    @staticmethod
+    def status_details(run_dir: str) -> dict[str, dict]:
+        """{stage: info} for `launch status RUN_DIR`: live from scontrol, else the state recorded
+        when the run was followed to its end, else UNKNOWN (the controller forgot the job)."""
+        path = os.path.join(os.path.abspath(run_dir), "slurm", JOBS_FILE)
+        if not os.path.exists(path):
+            raise SlurmError(f"{path} not found: this run was not submitted to Slurm")
+        with open(path) as f:
+            record = json.load(f)
+        order = record.get("order") or list(record["stages"])
+        ids = [record["stages"][s]["job_id"] for s in order]
+        live = query_jobs(ids)
+        out: dict[str, dict] = {}
+        for stage, jid in zip(order, ids):
+            info = live.get(jid)
+            if info is not None:
+                out[stage] = {"stage": stage, **info.as_dict()}
+            elif record["stages"][stage].get("final_info"):
+                out[stage] = {"stage": stage, **record["stages"][stage]["final_info"]}
+            else:
+                out[stage] = {"stage": stage, "job_id": jid, "state": UNKNOWN,
+                              "reason": "job no longer known to slurmctld and not recorded as finished"}
+        return out
+
+    @staticmethod
+    def status(run_dir: str) -> dict[str, str]:
+        """{stage: Slurm state} of a submitted run (see status_details for reasons and exit codes)."""
+        return {s: d["state"] for s, d in SlurmExecutor.status_details(run_dir).items()}
+
+
+def format_state(stage: str, state: str, info: dict) -> str:
+    """One console line for an on_state event, e.g. ``[slurm] mmlu FAILED (job 12, exit 3)``."""
+    bits = [f"job {info.get('job_id')}"]
+    if info.get("reason"):
+        bits.append(str(info["reason"]))
+    if state in FINAL_STATES and info.get("exit_code") not in (None, 0):
+        bits.append(f"exit {info['exit_code']}")
+    if state in FINAL_STATES and info.get("signal"):
+        bits.append(f"signal {info['signal']}")
+    return f"[slurm] {stage} {state} ({', '.join(bits)})"
+
+
+if __name__ == "__main__":  # `python -m launcher.executors.slurm status RUN_DIR` (debug aid)
+    if len(sys.argv) == 3 and sys.argv[1] == "status":
+        for s, d in SlurmExecutor.status_details(sys.argv[2]).items():
+            print(format_state(s, d["state"], d))
+    else:
+        print("usage: python -m launcher.executors.slurm status RUN_DIR", file=sys.stderr)
+        sys.exit(2)

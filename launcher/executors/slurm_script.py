@@ -1,0 +1,195 @@
+"""sbatch scripts for pipeline stages - pure functions of (StagePlan, SlurmExecutorConfig, run dir).
+
+Nothing here touches the file system, the clock or the environment, so every script is
+reproducible and golden-tested (tests/test_slurm_script.py, tests/golden/*.sbatch).  The job
+dependency (which names job ids) is not part of the script: the executor passes it to
+``sbatch --dependency`` (``dependency_spec``), so a script can be resubmitted as it is.
+
+One script per stage::
+
+    #SBATCH lines     job name, nodes, tasks per node (= world / nodes), GPUs per node, time,
+                      partition, account, qos, cpus per task, memory, output+error -> the stage's
+                      log.txt (appended, so a resumed stage keeps the first attempt's log)
+    exports           executor env, then the stage's env; OMP_NUM_THREADS, PYTHONUNBUFFERED (live
+                      logs); values that look like secrets are NOT written - the executor hands
+                      them to sbatch's environment, which Slurm forwards to the job (--export=ALL)
+    setup lines       verbatim (module load ..., source ...)
+    rendezvous        MASTER_ADDR = first host of the allocation (``hostname`` inside a job is
+                      not the node name), MASTER_PORT = executor.master_port, or derived from the
+                      job id when master_port is 0 (jobs sharing a node never collide)
+    srun              --ntasks=world, --kill-on-bad-exit (one dead rank ends the stage instead of
+                      hanging its peers), pyxis --container-image/--container-mounts when set,
+                      then the stage's argv; each rank reads SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID
+"""
+from __future__ import annotations
+
+import os
+import re
+import shlex
+from typing import Any, Mapping, Optional, Sequence
+
+from launcher.executors.base import StagePlan
+
+SECRET_KEY = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|API_?KEY|CREDENTIAL|PRIVATE_KEY)", re.IGNORECASE)
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_TIME = re.compile(r"^((\d+-)?\d+(:\d{1,2}){0,2}|UNLIMITED|INFINITE)$", re.IGNORECASE)
+DERIVED_PORT_BASE = 20000
+DERIVED_PORT_SPAN = 20000
+
+
+class ScriptError(ValueError):
+    """A config value that cannot make a valid sbatch script; the message names the key."""
+
+
+def is_secret(name: str) -> bool:
+    return bool(SECRET_KEY.search(name))
+
+
+def stage_env(plan: StagePlan, cfg: Any) -> dict[str, str]:
+    """Environment of every rank of the stage: executor.env, then the plan's env (wins)."""
+    env: dict[str, str] = {}
+    for source in (_get(cfg, "env", {}) or {}, plan.env or {}):
+        for k, v in dict(source).items():
+            if not _ENV_NAME.match(str(k)):
+                raise ScriptError(f"env: {k!r} is not a valid environment variable name")
+            env[str(k)] = "" if v is None else str(v)
+    return env
+
+
+def split_secret_env(env: Mapping[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+    """(written into the script, passed through sbatch's environment only)."""
+    public = {k: v for k, v in env.items() if not is_secret(k)}
+    secret = {k: v for k, v in env.items() if is_secret(k)}
+    return public, secret
+
+
+def default_job_name(plan: StagePlan, run_dir: str) -> str:
+    """``<job_name>.<run_id>.<stage>`` from ``<runs_root>/<job_name>/<run_id>``."""
+    run_dir = os.path.normpath(run_dir)
+    run_id = os.path.basename(run_dir)
+    job = os.path.basename(os.path.dirname(run_dir))
+    parts = [p for p in (job, run_id, plan.name) if p]
+    return ".".join(parts)
+
+
+def _get(cfg: Any, key: str, default: Any = None) -> Any:
+    if isinstance(cfg, Mapping):
+        return cfg.get(key, default)
+    return getattr(cfg, key, default)
+
+
+def tasks_per_node(plan: StagePlan, cfg: Any) -> int:
+    nodes = int(_get(cfg, "nodes", 1) or 1)
+    if nodes < 1:
+        raise ScriptError(f"executor.nodes must be >= 1, got {nodes}")
+    if plan.world_size < 1:
+        raise ScriptError(f"stage {plan.name}: world_size must be >= 1, got {plan.world_size}")
+    if plan.world_size % nodes:
+        raise ScriptError(
+            f"stage {plan.name}: world size {plan.world_size} does not split evenly over "
+            f"executor.nodes={nodes}; valid node counts: "
+            f"{[n for n in range(1, plan.world_size + 1) if plan.world_size % n == 0]}")
+    return plan.world_size // nodes
+
+
+def render_sbatch(plan: StagePlan, cfg: Any, run_dir: str, job_name: Optional[str] = None) -> str:
+    """The sbatch script of one stage (text, ends with a newline)."""
+    ntpn = tasks_per_node(plan, cfg)
+    nodes = int(_get(cfg, "nodes", 1) or 1)
+    time_limit = str(_get(cfg, "time", "") or "")
+    if time_limit and not _TIME.match(time_limit):
+        raise ScriptError(f"executor.time={time_limit!r}: use minutes, MM:SS, HH:MM:SS or D-HH[:MM[:SS]]")
+    if not plan.argv:
+        raise ScriptError(f"stage {plan.name}: empty argv")
+    if not plan.log_path:
+        raise ScriptError(f"stage {plan.name}: no log_path")
+    q = shlex.quote
+    name = job_name or default_job_name(plan, run_dir)
+    sb = [
+        f"--job-name={name}",
+        f"--nodes={nodes}",
+        f"--ntasks-per-node={ntpn}",
+    ]
+    gpus = int(_get(cfg, "gpus_per_node", 0) or 0)
+    if gpus:
+        sb.append(f"--gpus-per-node={gpus}")
+    if _get(cfg, "cpus_per_task"):
+        sb.append(f"--cpus-per-task={int(_get(cfg, 'cpus_per_task'))}")
+    if _get(cfg, "mem"):
+        sb.append(f"--mem={_get(cfg, 'mem')}")
+    if time_limit:
+        sb.append(f"--time={time_limit}")
+    for key in ("partition", "account", "qos"):
+        if _get(cfg, key):
+            sb.append(f"--{key}={_get(cfg, key)}")
+    sb += [
+        f"--output={plan.log_path}",
+        f"--error={plan.log_path}",
+        "--open-mode=append",
+    ]
+    lines = ["#!/bin/bash", f"# PTQ launcher: stage {plan.name!s} of run {run_dir}"]
+    lines += [f"#SBATCH {_sbatch_arg(a)}" for a in sb]
+    lines += ["", "set -e"]
+
+    env = stage_env(plan, cfg)
+    env.setdefault("OMP_NUM_THREADS", str(_get(cfg, "omp_num_threads", 1)))
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    public, secret = split_secret_env(env)
+    lines += [f"export {k}={q(v)}" for k, v in public.items()]
+    for k in secret:
+        lines.append(f"# {k}: secret, passed through sbatch's environment (not written here)")
+
+    setup = list(_get(cfg, "setup", []) or [])
+    if setup:
+        lines += ["", "# setup (executor.setup)"]
+        lines += [str(s) for s in setup]
+
+    port = int(_get(cfg, "master_port", 0) or 0)
+    port_expr = str(port) if port else f"$(( {DERIVED_PORT_BASE} + SLURM_JOB_ID % {DERIVED_PORT_SPAN} ))"
+    lines += [
+        "",
+        'export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
+        f"export MASTER_PORT={port_expr}",
+        f'echo "[slurm] stage {plan.name} job $SLURM_JOB_ID on $SLURM_JOB_NODELIST: '
+        f'{plan.world_size} ranks, master $MASTER_ADDR:$MASTER_PORT, $(date -u +%FT%TZ)"',
+        "",
+    ]
+
+    srun = ["srun", f"--ntasks={plan.world_size}", f"--ntasks-per-node={ntpn}", "--kill-on-bad-exit=1"]
+    image = _get(cfg, "container_image")
+    if image:
+        srun.append(f"--container-image={q(str(image))}")
+        mounts = list(_get(cfg, "container_mounts", []) or [])
+        if mounts:
+            srun.append(f"--container-mounts={q(','.join(str(m) for m in mounts))}")
+    # srun flags on one line, the command on the next: still one shell command
+    lines.append(" ".join(srun) + " \\\n    " + " ".join(q(str(a)) for a in plan.argv))
+    return "\n".join(lines) + "\n"
+
+
+def _sbatch_arg(arg: str) -> str:
+    # #SBATCH lines are not parsed by a shell: quote only what sbatch's own splitter needs
+    key, _, value = arg.partition("=")
+    if any(c.isspace() for c in value):
+        return f'{key}="{value}"'
+    return arg
+
+
+def dependency_spec(index: int, plans: Sequence[StagePlan], job_ids: Sequence[str]) -> Optional[str]:
+    """``--dependency`` of stage ``index`` given the ids of the stages before it (in order).
+
+    The previous stage is ``afterok`` (or ``afterany`` when it may fail).  When it may fail, the
+    stage also needs ``afterok`` on the nearest earlier stage that may not: otherwise a stage
+    that never ran because *its* dependency failed (and was cancelled) would satisfy
+    ``afterany`` and the next stage would run on missing inputs.
+    """
+    if index == 0:
+        return None
+    prev = index - 1
+    parts = [f"{'afterany' if plans[prev].allow_to_fail else 'afterok'}:{job_ids[prev]}"]
+    if plans[prev].allow_to_fail:
+        for j in range(prev - 1, -1, -1):
+            if not plans[j].allow_to_fail:
+                parts.append(f"afterok:{job_ids[j]}")
+                break
+    return ",".join(parts)

@@ -1,0 +1,183 @@
+"""Value checks of an exported checkpoint: round trip, dequantized weights vs references.
+
+* ``roundtrip_vs_source``: recipe ``none`` - every tensor equals the source checkpoint's, bit for
+  bit (the source cast to the export's dtype when they differ; the cast is reported).
+* ``quantized_vs_source``: dequantized sampled weights vs the source's high-precision weights;
+  a relative error above ``SOURCE_REL_ERR_MAX`` means the wrong weights went into that tensor
+  (a mis-mapped expert has relative error ~1.4; honest NVFP4 rounding ~0.1).
+* ``compare_references``: dequantized weights vs references computed from the in-memory
+  Megatron model (``megatron_ref``), compared in the reference's dtype; equal within
+  ``reference_tolerance`` (fp32: 0 - bit-exact on CPU, see ``REFERENCE_REL_TOL``).
+"""
+from __future__ import annotations
+
+import re
+from typing import Optional
+
+from launcher.export.dequant import dequantize_module
+from launcher.export.safetensors_dir import TensorInfo, load_tensors
+from launcher.export.verify_layout import Findings
+
+# Max relative Frobenius error of dequantized weights vs the source high-precision weights.
+SOURCE_REL_ERR_MAX = {"nvfp4": 0.35, "fp8": 0.08}
+# |dequantized - reference| <= REFERENCE_REL_TOL[dtype] * max|reference|.  fp32 on CPU: bit-exact
+# in practice (both sides run ModelOpt's NVFP4QTensor arithmetic); the bound allows the GPU
+# kernel's different fp32 operation order.  bf16/fp16: one unit in the last place.
+REFERENCE_REL_TOL = {"float32": 2.0 ** -20, "bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}
+
+_KIND_RULES = (
+    ("expert", re.compile(r"\.experts\.\d+\.")),
+    ("shared_expert", re.compile(r"\.shared_experts?\.")),
+    ("attention", re.compile(r"\.(self_attn|attention|attn|mixer)\.(q_proj|k_proj|v_proj|o_proj|qkv_proj|dense)$")),
+    ("dense_mlp", re.compile(r"\.mlp\.(gate_proj|up_proj|down_proj|fc1|fc2)$")),
+)
+
+
+def module_kind(module: str) -> str:
+    for kind, rule in _KIND_RULES:
+        if rule.search(module):
+            return kind
+    return "other"
+
+
+def sample_modules(modules: list[str], per_kind: int) -> dict[str, list[str]]:
+    """Deterministic spread-out sample of ``per_kind`` modules of each kind (sorted input order)."""
+    by_kind: dict[str, list[str]] = {}
+    for m in sorted(modules):
+        by_kind.setdefault(module_kind(m), []).append(m)
+    out = {}
+    for kind, names in by_kind.items():
+        n = min(per_kind, len(names))
+        step = len(names) / n if n else 1
+        out[kind] = [names[int(i * step + step / 2)] for i in range(n)]
+    return out
+
+
+def _bits(t):
+    import torch
+
+    if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return t.view(torch.uint8)
+    return t
+
+
+def roundtrip_vs_source(export_dir: str, source_dir: str, tensors: dict[str, TensorInfo],
+                        source: dict[str, TensorInfo], findings: Findings) -> None:
+    """Recipe none: every exported tensor equals the source tensor bit for bit."""
+    import torch
+
+    common = sorted(set(tensors) & set(source))
+    casts: dict[str, int] = {}
+    exact = 0
+    for i in range(0, len(common), 64):
+        names = common[i:i + 64]
+        got = load_tensors(export_dir, names, tensors)
+        want = load_tensors(source_dir, names, source)
+        for name in names:
+            g, w = got[name], want[name]
+            if g.dtype != w.dtype:
+                key = f"{str(w.dtype).replace('torch.', '')}->{str(g.dtype).replace('torch.', '')}"
+                casts[key] = casts.get(key, 0) + 1
+                w = w.to(g.dtype)
+            if g.shape == w.shape and torch.equal(_bits(g), _bits(w)):
+                exact += 1
+                continue
+            diff = (g.float() - w.float()).abs().max().item() if g.shape == w.shape else None
+            findings.error(f"round trip: tensor {name} differs from the source "
+                           f"(max |diff| {diff}, shapes {list(g.shape)} vs {list(w.shape)})")
+    findings.checks["roundtrip"] = {"compared": len(common), "bit_exact": exact, "dtype_casts": casts}
+
+
+def dequantized(export_dir: str, modules: list[str], tensors: dict[str, TensorInfo], fmt: str):
+    """module -> fp32 dequantized weight, for quantized modules of the export."""
+    leaves = ("weight", "weight_scale", "weight_scale_2")
+    names = [f"{m}.{leaf}" for m in modules for leaf in leaves if f"{m}.{leaf}" in tensors]
+    loaded = load_tensors(export_dir, names, tensors)
+    out = {}
+    for m in modules:
+        out[m] = dequantize_module(fmt, {leaf: loaded[f"{m}.{leaf}"] for leaf in leaves
+                                         if f"{m}.{leaf}" in loaded})
+    return out
+
+
+def quantized_vs_source(export_dir: str, source_dir: str, tensors: dict[str, TensorInfo],
+                        source: dict[str, TensorInfo], kinds: dict[str, str], fmt: str, per_kind: int,
+                        findings: Findings) -> None:
+    """Dequantized sampled modules are close to the source weights (catches mis-mapped tensors)."""
+    quantized = [m for m, k in kinds.items() if k == "quantized" and f"{m}.weight" in source]
+    samples = sample_modules(quantized, per_kind)
+    flat = [m for names in samples.values() for m in names]
+    deq = dequantized(export_dir, flat, tensors, fmt)
+    ref = load_tensors(source_dir, [f"{m}.weight" for m in flat], source)
+    bound = SOURCE_REL_ERR_MAX[fmt]
+    result = {}
+    for kind, names in samples.items():
+        errs = {}
+        for m in names:
+            w = ref[f"{m}.weight"].float()
+            rel = float((deq[m] - w).norm() / w.norm().clamp_min(1e-30))
+            errs[m] = round(rel, 5)
+            if not rel <= bound:
+                findings.error(f"{m}: dequantized weight is far from the source weight (relative error "
+                               f"{rel:.3f} > {bound} for {fmt}): wrong data in {m}.weight")
+        result[kind] = {"max_rel_err": max(errs.values()) if errs else None, "modules": errs}
+    findings.checks["dequant_vs_source"] = {"bound": bound, "by_kind": result}
+
+
+def reference_tolerance(dtype_name: str, ref_absmax: float) -> float:
+    return REFERENCE_REL_TOL.get(dtype_name, 2.0 ** -8) * ref_absmax
+
+
+def compare_references(export_dir: str, references: dict, fmt: str,
+                       tensors: Optional[dict[str, TensorInfo]] = None) -> list[dict]:
+    """Compare exported modules with ``references`` (HF module name -> (kind, tensor)).
+
+    Runs on whichever rank computed the references; returns one small dict per module
+    (gathered to rank 0 by the stage).  ``tensors`` defaults to the export's headers.
+    """
+    import torch
+
+    from launcher.export.safetensors_dir import read_all_headers
+
+    if tensors is None:
+        tensors, _ = read_all_headers(export_dir)
+    results = []
+    present = [m for m in references if f"{m}.weight" in tensors]
+    for m in sorted(set(references) - set(present)):
+        results.append({"module": m, "kind": references[m][0], "error": f"{m}.weight is not in the export"})
+    quantized = [m for m in present if f"{m}.weight_scale" in tensors]
+    deq = dequantized(export_dir, quantized, tensors, fmt) if quantized and fmt != "none" else {}
+    plain = load_tensors(export_dir, [f"{m}.weight" for m in present if m not in deq], tensors)
+    for m in sorted(present):
+        kind, ref = references[m]
+        got = deq[m] if m in deq else plain[f"{m}.weight"]
+        entry = {"module": m, "kind": kind, "quantized": m in deq, "dtype": str(ref.dtype).replace("torch.", "")}
+        if tuple(got.shape) != tuple(ref.shape):
+            entry["error"] = f"{m}: exported weight shape {list(got.shape)} != Megatron's {list(ref.shape)}"
+            results.append(entry)
+            continue
+        got_in_ref_dtype = got.to(ref.dtype).float()
+        diff = (got_in_ref_dtype - ref.float()).abs().max().item()
+        tol = reference_tolerance(entry["dtype"], ref.float().abs().max().item())
+        entry.update(max_abs_diff=diff, tolerance=tol,
+                     bit_exact=bool(torch.equal(got_in_ref_dtype, ref.float())))
+        if not diff <= tol:
+            entry["error"] = (f"{m}: dequantized export differs from the Megatron model's "
+                              f"{'fake-quantized' if m in deq else ''} weight by {diff:.3e} "
+                              f"(tolerance {tol:.3e})")
+        results.append(entry)
+    return results
+
+
+def summarize_references(results: list[dict], findings: Findings) -> None:
+    by_kind: dict[str, dict] = {}
+    for r in results:
+        if "error" in r:
+            findings.error(r["error"])
+        k = by_kind.setdefault(r["kind"], {"modules": 0, "bit_exact": 0, "max_abs_diff": 0.0})
+        k["modules"] += 1
+        k["bit_exact"] += int(bool(r.get("bit_exact")))
+        if r.get("max_abs_diff") is not None:
+            k["max_abs_diff"] = max(k["max_abs_diff"], r["max_abs_diff"])
+    findings.checks["dequant_vs_megatron"] = {"tolerance_rel": REFERENCE_REL_TOL, "by_kind": by_kind,
+                                              "modules": [r["module"] for r in results]}

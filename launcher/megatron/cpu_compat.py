@@ -1,0 +1,184 @@
+"""Every workaround that lets Megatron-Core + ModelOpt run on a CPU-only torch (gloo ranks).
+
+Megatron-Core 0.19 and ModelOpt 0.47 assume CUDA in a handful of places.  This module patches
+exactly those places, and nothing else, so that the tiny-model pipeline runs on CPU with real
+megatron-core code.  ``apply_cpu_compat()`` is idempotent and must only be called when the run
+uses ``device == "cpu"``: it refuses (AssertionError) when CUDA is available, because replacing
+``torch.cuda.*`` on a GPU process would silently break the real CUDA paths.
+
+Each shim, and what breaks without it (measured with megatron-core 0.19.2, modelopt 0.47.0):
+
+``current_device``
+    ``torch.cuda.current_device()`` returns ``"cpu"``; ``torch.cuda.synchronize`` is a no-op.
+    Megatron uses ``device=torch.cuda.current_device()`` when it allocates tensors (RoPE's
+    ``inv_freq``, MoE routing buffers): without it, "Torch not compiled with CUDA enabled".
+``streams``
+    Fake ``torch.cuda.Stream`` / ``current_stream`` / ``stream``.  The alltoall token
+    dispatcher creates a side stream in ``__init__``: without it, construction fails.
+``alltoall_split_sizes``
+    ``token_dispatcher.maybe_move_tensor_to_cpu`` also converts CPU tensors (Megatron only
+    converts CUDA ones).  The alltoall dispatcher passes the split sizes to
+    ``all_to_all_single``; gloo needs them as lists/numpy, a CPU tensor raises TypeError.
+``pipeline_schedules``
+    ``schedules.torch.zeros(..., device="cuda")`` is redirected to CPU.  The forward-only
+    pipeline schedules allocate ``total_num_tokens`` on CUDA: without it, every schedule call
+    fails, PP=1 included.
+``nvfp4_dynamic_block_quant``
+    ModelOpt's NVFP4 fake quantization (dynamic block quant, E2M1 values with E4M3 block scales)
+    only has CUDA implementations (triton kernel / cuda_ext_mx; "amax must be a CUDA tensor for
+    dynamic block quantization").  CPU tensors are routed through ModelOpt's own
+    ``NVFP4QTensor.quantize`` / ``dequantize`` (the code its export uses to pack the weights),
+    so the arithmetic is ModelOpt's; tests/test_gpu_quantize.py compares it with the GPU kernel.
+
+The RNG needs no patch: ``launcher.megatron.dist`` seeds Megatron's tracker with
+``model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True, force_reset_rng=True)`` on
+CPU (the default tracker calls ``torch.cuda.get_rng_state``, which fails without CUDA).
+"""
+from __future__ import annotations
+
+import contextlib
+import types
+
+_APPLIED: set[str] = set()
+
+
+class _CpuStream:
+    """Stands in for ``torch.cuda.Stream``: every operation is a synchronous no-op on CPU."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, *args, **kwargs):
+        pass
+
+    def wait_event(self, *args, **kwargs):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def record_event(self, *args, **kwargs):
+        return _CpuEvent()
+
+    def __eq__(self, other):
+        return isinstance(other, _CpuStream)
+
+    def __hash__(self):
+        return 0
+
+
+class _CpuEvent:
+    def synchronize(self):
+        pass
+
+    def wait(self, *args, **kwargs):
+        pass
+
+    def record(self, *args, **kwargs):
+        pass
+
+
+def _patch_current_device(torch) -> None:
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+
+
+def _patch_streams(torch) -> None:
+    torch.cuda.Stream = _CpuStream
+    torch.cuda.current_stream = lambda *args, **kwargs: _CpuStream()
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
+
+
+def _patch_alltoall_split_sizes(torch) -> None:
+    import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
+
+    def to_host(tensor, as_numpy: bool = False, record_stream: bool = False):
+        if torch.is_tensor(tensor):
+            tensor = tensor.cpu()
+            if as_numpy:
+                tensor = tensor.numpy()
+        return tensor
+
+    token_dispatcher.maybe_move_tensor_to_cpu = to_host
+
+
+def _patch_pipeline_schedules(torch) -> None:
+    import megatron.core.pipeline_parallel.schedules as schedules
+
+    class _TorchOnCpu(types.ModuleType):
+        """``torch`` as seen by schedules.py, with CUDA allocations moved to CPU."""
+
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        @staticmethod
+        def zeros(*args, **kwargs):
+            if str(kwargs.get("device", "")).startswith("cuda"):
+                kwargs["device"] = "cpu"
+            return torch.zeros(*args, **kwargs)
+
+    schedules.torch = _TorchOnCpu("torch")
+
+
+def _patch_nvfp4_dynamic_block_quant(torch) -> None:
+    import modelopt.torch.quantization.tensor_quant as tensor_quant
+
+    cuda_impl = tensor_quant.dynamic_block_quantize_op
+
+    def dynamic_block_quantize(inputs, block_size, amax, num_bits, exponent_bits,
+                               scale_num_bits, scale_exponent_bits):
+        is_nvfp4 = (num_bits, exponent_bits, scale_num_bits, scale_exponent_bits) == (4, 2, 8, 4)
+        if inputs.is_cuda or not is_nvfp4:
+            return cuda_impl(inputs, block_size, amax, num_bits, exponent_bits,
+                             scale_num_bits, scale_exponent_bits)
+        return nvfp4_fake_quant_cpu(inputs, block_size, amax)
+
+    tensor_quant.dynamic_block_quantize_op = dynamic_block_quantize
+
+
+def nvfp4_fake_quant_cpu(inputs, block_size: int, amax=None):
+    """NVFP4 quantize-dequantize of ``inputs`` along its last dim with ModelOpt's NVFP4QTensor.
+
+    ``amax`` is the per-tensor amax (the second-level scale is amax / (6 * 448)); None means the
+    tensor's own amax, as the GPU kernels do for dynamic quantizers.
+    """
+    import torch
+    from modelopt.torch.quantization.qtensor import NVFP4QTensor
+
+    x = inputs.float()
+    global_amax = x.abs().amax() if amax is None else amax.float().amax()
+    scale_2 = global_amax / (6.0 * 448.0)
+    packed, scale, scale_2 = NVFP4QTensor.quantize(x, block_size, weights_scaling_factor_2=scale_2)
+    out = packed.dequantize(dtype=torch.float32, scale=scale, double_scale=scale_2,
+                            block_sizes={-1: block_size})
+    return out.reshape(inputs.shape).to(inputs.dtype)
+
+
+SHIMS = {
+    "current_device": _patch_current_device,
+    "streams": _patch_streams,
+    "alltoall_split_sizes": _patch_alltoall_split_sizes,
+    "pipeline_schedules": _patch_pipeline_schedules,
+    "nvfp4_dynamic_block_quant": _patch_nvfp4_dynamic_block_quant,
+}
+
+
+def apply_cpu_compat() -> list[str]:
+    """Install every CPU shim once (idempotent). Returns the names applied so far.
+
+    Never call this in a process that uses CUDA: it asserts ``torch.cuda.is_available()`` is
+    False (an internal invariant: ``init_distributed`` calls it only for device "cpu").
+    """
+    import torch
+
+    assert not torch.cuda.is_available(), (
+        "apply_cpu_compat() replaces torch.cuda functions; it must not run where CUDA is in use")
+    for name, patch in SHIMS.items():
+        if name not in _APPLIED:
+            patch(torch)
+            _APPLIED.add(name)
+    return sorted(_APPLIED)
+
+
+def applied_shims() -> list[str]:
+    return sorted(_APPLIED)

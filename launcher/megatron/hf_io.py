@@ -1,0 +1,89 @@
+"""HF checkpoint <-> Megatron-Core weights through ModelOpt's unified import/export.
+
+Export is correct only at TP=1 and EP=1 (ModelOpt 0.47 writes empty tensors at TP>1 and lets
+EP ranks overwrite each other's experts at EP>1; notes/anchor.md item 7): ``export_hf`` refuses
+other layouts.  After ModelOpt writes the checkpoint, the per-shard sidecar
+``model-XXXXX-of-YYYYY.json`` files it leaves are deleted (anchor.md item 8) and the tokenizer
+files of the source checkpoint are copied in, so the export directory is a servable checkpoint.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+
+from launcher.megatron.models import resolve_dtype, unwrap_model
+
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
+    "generation_config.json",
+)
+_SIDECAR = re.compile(r"^model-\d{5}-of-\d{5}\.json$")
+
+
+def import_hf_weights(model, hf_path: str, dtype="bfloat16") -> None:
+    """Load the HF safetensors at ``hf_path`` into this rank's shard of ``model`` (all ranks call)."""
+    from modelopt.torch.export import import_mcore_gpt_from_hf
+
+    device = "cuda" if next(model.parameters()).is_cuda else "cpu"
+    import_mcore_gpt_from_hf(unwrap_model(model), hf_path, dtype=resolve_dtype(dtype, device))
+
+
+def _check_export_layout() -> None:
+    from megatron.core import parallel_state as ps
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    ep = ps.get_expert_model_parallel_world_size()
+    etp = ps.get_expert_tensor_parallel_world_size()
+    if (tp, ep, etp) != (1, 1, 1):
+        raise ValueError(
+            f"export needs tp=1, ep=1, etp=1 (got tp={tp}, ep={ep}, etp={etp}): ModelOpt's export "
+            "writes empty tensors at TP>1 and drops experts at EP>1; reload the checkpoint at "
+            "tp=1 ep=1 (any pp) and export from there")
+
+
+def export_hf(model, hf_path: str, export_dir: str, dtype="bfloat16") -> list[str]:
+    """Write ``model`` as an HF (unified, quantized if applicable) checkpoint into ``export_dir``.
+
+    All ranks call.  ``hf_path`` is the source checkpoint (its config.json is the template).
+    Returns the sorted file names of the export (on every rank, after a barrier).
+    """
+    import torch.distributed as dist
+    from modelopt.torch.export import export_mcore_gpt_to_hf
+
+    _check_export_layout()
+    rank = dist.get_rank()
+    if rank == 0:
+        os.makedirs(export_dir, exist_ok=True)
+    dist.barrier()
+    device = "cuda" if next(model.parameters()).is_cuda else "cpu"
+    export_mcore_gpt_to_hf(unwrap_model(model), hf_path, dtype=resolve_dtype(dtype, device),
+                           export_dir=export_dir)
+    dist.barrier()
+    if rank == 0:
+        remove_sidecar_files(export_dir)
+        copy_tokenizer_files(hf_path, export_dir)
+    dist.barrier()
+    return sorted(os.listdir(export_dir))
+
+
+def remove_sidecar_files(export_dir: str) -> list[str]:
+    """Delete ModelOpt's per-shard ``model-XXXXX-of-YYYYY.json`` metadata files; return their names."""
+    removed = []
+    for name in sorted(os.listdir(export_dir)):
+        if _SIDECAR.match(name):
+            os.remove(os.path.join(export_dir, name))
+            removed.append(name)
+    return removed
+
+
+def copy_tokenizer_files(hf_path: str, export_dir: str) -> list[str]:
+    """Copy the tokenizer (and generation config) files present in ``hf_path``; return their names."""
+    copied = []
+    for name in TOKENIZER_FILES:
+        src = os.path.join(hf_path, name)
+        if os.path.isfile(src) and not os.path.exists(os.path.join(export_dir, name)):
+            shutil.copy2(src, os.path.join(export_dir, name))
+            copied.append(name)
+    return copied

@@ -1,0 +1,319 @@
+"""HF checkpoint config.json -> Megatron-Core model (this rank's pipeline stage, eval mode).
+
+Every dimension comes from the checkpoint's config.json.  GPT-style architectures
+(Qwen3-MoE, Qwen3, Llama) build a ``GPTModel``; Nemotron-H builds the hybrid Mamba model and
+needs CUDA + mamba_ssm.  On CPU the model is fp32; on CUDA it is built in the requested dtype
+and, for bf16/fp16, wrapped in Megatron's ``Float16Module`` (a bare bf16 GPTModel fails with
+"mat1 and mat2 must have the same dtype").  Use ``unwrap_model`` to reach the GPTModel that
+ModelOpt's import/export/quantize and dist-checkpointing operate on.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from launcher.topology import ParallelDims
+
+GPT_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM")
+HYBRID_ARCHITECTURES = ("NemotronHForCausalLM",)
+SUPPORTED_ARCHITECTURES = GPT_ARCHITECTURES + HYBRID_ARCHITECTURES
+DTYPES = ("float32", "bfloat16", "float16")
+DISPATCHERS = ("alltoall", "allgather")
+
+
+def read_hf_config(hf_path: str) -> dict[str, Any]:
+    path = os.path.join(hf_path, "config.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"model.path={hf_path!r} has no config.json (expected a local HF checkpoint)")
+    with open(path) as f:
+        return json.load(f)
+
+
+def architecture_of(hf_config: dict[str, Any]) -> str:
+    archs = hf_config.get("architectures") or []
+    if not archs:
+        raise ValueError("config.json has no 'architectures' entry; cannot choose a Megatron model")
+    arch = archs[0]
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"architecture {arch!r} is not supported; supported: {list(SUPPORTED_ARCHITECTURES)}")
+    return arch
+
+
+def resolve_dtype(dtype: "str | torch.dtype", device: str) -> "torch.dtype":
+    """CPU always runs fp32 (no bf16 matmul kernels worth using); CUDA uses ``dtype``."""
+    import torch
+
+    name = str(dtype).replace("torch.", "")
+    if name not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not valid; valid values: {list(DTYPES)}")
+    return torch.float32 if device == "cpu" else getattr(torch, name)
+
+
+def transformer_engine_available() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def mamba_ssm_available() -> bool:
+    try:
+        import mamba_ssm  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def _rope(hf: dict[str, Any]) -> dict[str, Any]:
+    """RoPE base and Llama-3 scaling from either the transformers 4 or 5 layout."""
+    params = dict(hf.get("rope_parameters") or {})
+    scaling = hf.get("rope_scaling") or {}
+    params = {**scaling, **params}
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    out = {"rotary_base": theta, "rope_scaling": False}
+    if rope_type == "default":
+        return out
+    if rope_type == "llama3":
+        expected = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+        for key, value in expected.items():
+            if key in params and float(params[key]) != value:
+                raise ValueError(f"rope llama3 {key}={params[key]} is not supported; Megatron's llama3 "
+                                 f"scaling is fixed at {expected}")
+        out.update(rope_scaling=True, rope_scaling_factor=float(params.get("factor", 8.0)))
+        return out
+    raise ValueError(f"rope_type={rope_type!r} is not supported; supported: ['default', 'llama3']")
+
+
+def _gpt_config_kwargs(arch: str, hf: dict[str, Any]) -> dict[str, Any]:
+    """TransformerConfig keyword arguments for a GPT-style HF config."""
+    import torch.nn.functional as F
+
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act={hf.get('hidden_act')!r} is not supported; supported: ['silu']")
+    for key in ("attention_bias", "mlp_bias"):
+        if hf.get(key):
+            raise ValueError(f"{key}=true is not supported by this launcher's model builder")
+    if hf.get("use_sliding_window"):
+        raise ValueError("use_sliding_window=true is not supported (Megatron GPTModel uses full attention)")
+    heads = hf["num_attention_heads"]
+    kw = dict(
+        num_layers=hf["num_hidden_layers"],
+        hidden_size=hf["hidden_size"],
+        num_attention_heads=heads,
+        num_query_groups=hf.get("num_key_value_heads") or heads,
+        kv_channels=hf.get("head_dim") or hf["hidden_size"] // heads,
+        ffn_hidden_size=hf["intermediate_size"],
+        layernorm_epsilon=float(hf.get("rms_norm_eps", 1e-6)),
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        qk_layernorm=arch.startswith("Qwen3"),
+    )
+    if arch == "Qwen3MoeForCausalLM":
+        num_layers = kw["num_layers"]
+        mlp_only = set(hf.get("mlp_only_layers") or [])
+        step = int(hf.get("decoder_sparse_step", 1) or 1)
+        pattern = [0 if (i in mlp_only or (i + 1) % step) else 1 for i in range(num_layers)]
+        num_experts = hf.get("num_experts") or hf.get("num_local_experts")  # transformers 4 / 5 name
+        if not num_experts:
+            raise ValueError("config.json of a Qwen3MoeForCausalLM has neither num_experts nor num_local_experts")
+        kw.update(
+            num_moe_experts=num_experts,
+            moe_router_topk=hf["num_experts_per_tok"],
+            moe_ffn_hidden_size=hf["moe_intermediate_size"],
+            moe_router_score_function="softmax",
+            # norm_topk_prob: softmax over the top-k (pre_softmax=False); else top-k of the softmax.
+            moe_router_pre_softmax=not hf.get("norm_topk_prob", True),
+            moe_layer_freq=1 if all(pattern) else pattern,
+        )
+    return kw
+
+
+def _runtime_kwargs(device: str, dtype: "torch.dtype", dims: "ParallelDims", dispatcher: str) -> dict[str, Any]:
+    import torch
+
+    return dict(
+        use_cpu_initialization=(device == "cpu"),
+        perform_initialization=True,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=(dtype == torch.bfloat16),
+        fp16=(dtype == torch.float16),
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=dims.tp,
+        pipeline_model_parallel_size=dims.pp,
+        context_parallel_size=dims.cp,
+        expert_model_parallel_size=dims.ep,
+        expert_tensor_parallel_size=dims.etp,
+        sequence_parallel=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        moe_token_dispatcher_type=dispatcher,
+        moe_grouped_gemm=False,          # per-expert linears: one weight quantizer per expert
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_permute_fusion=False,
+    )
+
+
+def _build_gpt(arch: str, hf: dict[str, Any], dims: "ParallelDims", device: str, dtype, dispatcher: str):
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    kw = {**_runtime_kwargs(device, dtype, dims, dispatcher), **_gpt_config_kwargs(arch, hf)}
+    if "num_moe_experts" not in kw:
+        for key in [k for k in kw if k.startswith("moe_")]:
+            del kw[key]
+    config = TransformerConfig(**kw)
+    if transformer_engine_available():
+        from megatron.core.post_training.modelopt.gpt.model_specs import get_gpt_modelopt_spec
+
+        spec = get_gpt_modelopt_spec(config, remap_te_layernorm=False)
+    else:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+    rope = _rope(hf)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=hf["vocab_size"],
+        max_sequence_length=hf.get("max_position_embeddings", 4096),
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        parallel_output=False,  # gather the vocab dimension: forward_logits returns full logits
+        share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", False)),
+        position_embedding_type="rope",
+        **rope,
+    )
+    return model
+
+
+def _build_nemotron_h(hf: dict[str, Any], dims: "ParallelDims", device: str, dtype, dispatcher: str):
+    """Nemotron-H hybrid (Mamba + attention + MoE) model.  GPU only; not exercised on CPU."""
+    import torch.nn.functional as F
+    from megatron.core import parallel_state
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+    from megatron.core.post_training.modelopt.hybrid.model_specs import get_hybrid_stack_modelopt_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    pattern = hf.get("hybrid_override_pattern")
+    if not pattern or len(pattern) != hf["num_hidden_layers"]:
+        raise ValueError(f"config.json hybrid_override_pattern={pattern!r} must have one symbol per layer "
+                         f"(num_hidden_layers={hf['num_hidden_layers']})")
+    if hf.get("mlp_hidden_act", "relu2") != "relu2":
+        raise ValueError(f"mlp_hidden_act={hf.get('mlp_hidden_act')!r} is not supported; supported: ['relu2']")
+
+    def squared_relu(x):
+        return F.relu(x) ** 2
+
+    heads = hf["num_attention_heads"]
+    kw = dict(
+        num_layers=hf["num_hidden_layers"],
+        hidden_size=hf["hidden_size"],
+        num_attention_heads=heads,
+        num_query_groups=hf.get("num_key_value_heads") or heads,
+        kv_channels=hf.get("head_dim") or hf["hidden_size"] // heads,
+        ffn_hidden_size=hf["intermediate_size"],
+        layernorm_epsilon=float(hf.get("layer_norm_epsilon", 1e-5)),
+        normalization="RMSNorm",
+        gated_linear_unit=False,
+        activation_func=squared_relu,
+        add_bias_linear=bool(hf.get("use_bias", False)),
+        mamba_num_heads=hf.get("mamba_num_heads"),
+        mamba_head_dim=hf.get("mamba_head_dim", 64),
+        mamba_state_dim=hf.get("ssm_state_size", 128),
+        mamba_num_groups=hf.get("n_groups", 8),
+    )
+    if "E" in pattern:
+        kw.update(
+            num_moe_experts=hf["n_routed_experts"],
+            moe_router_topk=hf["num_experts_per_tok"],
+            moe_ffn_hidden_size=hf["moe_intermediate_size"],
+            moe_shared_expert_intermediate_size=hf.get("moe_shared_expert_intermediate_size"),
+            moe_router_score_function="sigmoid",
+            moe_router_enable_expert_bias=True,
+            moe_router_topk_scaling_factor=hf.get("routed_scaling_factor"),
+            moe_router_num_groups=hf.get("n_group"),
+            moe_router_group_topk=hf.get("topk_group"),
+            moe_router_pre_softmax=False,
+        )
+    kw = {**_runtime_kwargs(device, dtype, dims, dispatcher), **kw}
+    if "num_moe_experts" not in kw:
+        for key in [k for k in kw if k.startswith("moe_")]:
+            del kw[key]
+    config = TransformerConfig(**kw)
+    return HybridModel(
+        config=config,
+        hybrid_stack_spec=get_hybrid_stack_modelopt_spec(use_default_te_spec=False),
+        vocab_size=hf["vocab_size"],
+        max_sequence_length=hf.get("max_position_embeddings", 4096),
+        hybrid_layer_pattern=pattern,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        parallel_output=False,
+        share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", False)),
+        position_embedding_type="none",
+    )
+
+
+def check_buildable(hf_path: str, device: str) -> str:
+    """The architecture, or a ValueError when it cannot be built on ``device`` (no torch import)."""
+    arch = architecture_of(read_hf_config(hf_path))
+    if arch in HYBRID_ARCHITECTURES:
+        if device != "cuda":
+            raise ValueError(f"{arch} (hybrid Mamba) needs device='cuda': mamba_ssm has only CUDA kernels; "
+                             f"on CPU a {arch} pipeline can be validated and planned, not run")
+        if not mamba_ssm_available():
+            raise ValueError(f"{arch} (hybrid Mamba) needs the mamba_ssm package, which does not import here")
+    return arch
+
+
+def build_model(hf_path: str, dims: "ParallelDims", device: str, dtype="bfloat16",
+                dispatcher: str = "alltoall", trust_remote_code: bool = False):
+    """This rank's pipeline stage of the Megatron model for the checkpoint at ``hf_path``.
+
+    Call after ``launcher.megatron.dist.init_distributed``.  ``trust_remote_code`` is accepted
+    for symmetry with the HF loaders; the builder reads config.json itself.
+    """
+    if dispatcher not in DISPATCHERS:
+        raise ValueError(f"moe_dispatcher={dispatcher!r} is not valid; valid values: {list(DISPATCHERS)}")
+    arch = check_buildable(hf_path, device)
+    hf = read_hf_config(hf_path)
+    torch_dtype = resolve_dtype(dtype, device)
+    if arch in HYBRID_ARCHITECTURES:
+        model = _build_nemotron_h(hf, dims, device, torch_dtype, dispatcher)
+    else:
+        model = _build_gpt(arch, hf, dims, device, torch_dtype, dispatcher)
+    if device == "cuda":
+        import torch
+
+        model = model.cuda(torch.cuda.current_device())
+        if model.config.bf16 or model.config.fp16:
+            from megatron.core.transformer.module import Float16Module
+
+            model = Float16Module(model.config, model)
+    model.eval()
+    return model
+
+
+def unwrap_model(model):
+    """The GPTModel / HybridModel inside Megatron wrappers (Float16Module, DDP)."""
+    from megatron.core.transformer.module import Float16Module
+
+    while isinstance(model, Float16Module) or (hasattr(model, "module") and not hasattr(model, "decoder")):
+        model = model.module
+    return model

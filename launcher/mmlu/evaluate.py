@@ -1,0 +1,137 @@
+"""The torch side: run a shard plan through a Megatron model and gather per-prompt results.
+
+``run_plan`` executes this rank's steps (guard check before every forward, one prefill per
+batch, right padding: causal attention leaves the real positions untouched), reads the four
+choice logits at each prompt's last real token on the last pipeline stage, and keeps the rows of
+the batches this rank owns.  ``gather_to_rank0`` collects them on rank 0.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+from launcher.mmlu.batching import Batch
+from launcher.mmlu.guard import StepGuard
+from launcher.mmlu.sharding import ShardPlan
+
+
+@dataclass
+class EvalRun:
+    results: dict[int, tuple[int, list[float]]]   # prompt index -> (prediction, 4 logits)
+    forward_calls: int = 0
+    dummies: int = 0
+    seconds: float = 0.0
+    step_seconds: list[float] = field(default_factory=list)
+
+
+def run_plan(model, token_ids: Sequence[Sequence[int]], batches: Sequence[Batch], plan: ShardPlan,
+             rank: int, choice_ids: Sequence[int], pad_id: int, guard: StepGuard,
+             log: Optional[Callable[[str], None]] = None, label: str = "") -> EvalRun:
+    import torch
+
+    from launcher.megatron.forward import forward_logits
+
+    steps = plan.for_rank(rank)
+    n = len(steps)
+    run = EvalRun(results={})
+    choice = torch.tensor(list(choice_ids), dtype=torch.long)
+    t0 = time.time()
+    done_q = 0
+    for i, st in enumerate(steps):
+        guard.check(i, n, st.padded_len, st.rows)
+        tokens = torch.full((st.rows, st.padded_len), int(pad_id), dtype=torch.long)
+        batch = batches[st.batch] if st.batch is not None else None
+        if batch is not None:
+            for row, p in enumerate(batch.items):
+                ids = token_ids[p]
+                tokens[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        ts = time.time()
+        logits = forward_logits(model, tokens)
+        run.step_seconds.append(time.time() - ts)
+        run.forward_calls += 1
+        if batch is None:
+            run.dummies += 1
+        elif logits is not None and plan.owner.get(st.batch) == rank:
+            last = torch.tensor([len(token_ids[p]) - 1 for p in batch.items], dtype=torch.long)
+            rows = torch.arange(len(batch.items))
+            sel = logits[rows, last][:, choice].float().cpu()
+            for row, p in enumerate(batch.items):
+                vals = sel[row].tolist()
+                run.results[p] = (int(sel[row].argmax().item()), vals)
+        if batch is not None:
+            done_q += batch.rows
+        if log is not None:
+            el = time.time() - t0
+            log(f"{label}step {i + 1}/{n} ({'dummy' if batch is None else f'{st.rows}x{st.padded_len}'})"
+                f" {done_q / el if el > 0 else 0.0:.1f} questions/s on this rank")
+    guard.finish(n)
+    run.seconds = time.time() - t0
+    return run
+
+
+def gather_to_rank0(local: dict, rank: int, world_size: int) -> Optional[dict]:
+    """Merge every rank's {prompt index: result} on rank 0 (None elsewhere)."""
+    import torch.distributed as dist
+
+    if world_size == 1:
+        return dict(local)
+    box = [None] * world_size if rank == 0 else None
+    dist.gather_object(local, box, dst=0)
+    if rank != 0:
+        return None
+    merged: dict = {}
+    for part in box:
+        for k, v in part.items():
+            if k in merged:
+                raise AssertionError(f"prompt {k} reported by two ranks")
+            merged[k] = v
+    return merged
+
+
+def broadcast_from_rank0(value):
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def evaluate_model(model, prepared, dims, rank: int, mode: str = "auto",
+                   dispatcher: str = "alltoall", timeout_s: float = 45.0,
+                   allow_unsafe: bool = False, stage: str = "mmlu", label: str = "",
+                   log: Optional[Callable[[str], None]] = None, groups_cache: Optional[dict] = None):
+    """Plan, guard, run and gather one evaluation of ``prepared`` (``launcher.stages.mmlu.Prepared``).
+
+    Returns (results on rank 0 else None, plan, this rank's EvalRun).  ``groups_cache`` (a dict)
+    reuses guard groups across calls with the same components (group creation is collective).
+    """
+    from launcher.mmlu.guard import make_groups
+    from launcher.mmlu.sharding import plan_shards
+
+    plan = plan_shards([b.shape for b in prepared.batches], dims, mode, dispatcher, allow_unsafe)
+    key = (tuple(map(tuple, plan.components)), float(timeout_s))
+    if groups_cache is not None and key in groups_cache:
+        groups = groups_cache[key]
+    else:
+        groups = make_groups(plan, timeout_s)
+        if groups_cache is not None:
+            groups_cache[key] = groups
+    guard = StepGuard(plan, rank, groups, stage=stage, timeout_s=timeout_s, label=label)
+    n = len(plan.for_rank(rank))
+    every = max(1, n // 20)
+
+    def progress(msg: str) -> None:
+        if log is not None:
+            step = int(msg.split("step ", 1)[1].split("/", 1)[0])
+            if step == n or step % every == 0:
+                log(msg)
+
+    run = run_plan(model, prepared.token_ids, prepared.batches, plan, rank, prepared.choice_ids,
+                   prepared.pad_id, guard, log=progress, label=f"{label}: " if label else "")
+    merged = gather_to_rank0(run.results, rank, dims.world_size)
+    if merged is not None and len(merged) != len(prepared.prompts):
+        raise AssertionError(f"gathered {len(merged)} results for {len(prepared.prompts)} prompts")
+    return merged, plan, run

@@ -1,0 +1,131 @@
+"""The MMLU gate: accuracy, 95% Wilson interval, bound and baseline checks - pure Python.
+
+* ``lower_bound``: pass iff accuracy >= bound (not the reference's strict ``>``).
+* ``max_drop``: pass iff baseline_accuracy - accuracy <= max_drop; the baseline is a recorded
+  number (``baseline=recorded`` + ``baseline_accuracy``) or evaluated in the same stage from the
+  unquantized weights on the same questions (``baseline=evaluate``; then prediction agreement
+  is reported too).
+* A warning ("raise fraction") when the Wilson interval strictly contains a threshold: the
+  decision could flip with another sample of the same size.
+"""
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import asdict, dataclass, field
+from typing import Optional, Sequence
+
+Z95 = 1.959963984540054
+BASELINE_MODES = ("none", "recorded", "evaluate")
+
+
+def wilson_interval(correct: int, n: int, z: float = Z95) -> tuple[float, float]:
+    if n <= 0:
+        return (0.0, 1.0)
+    if not 0 <= correct <= n:
+        raise ValueError(f"correct={correct} must be in [0, n={n}]")
+    p = correct / n
+    z2 = z * z
+    denom = 1 + z2 / n
+    center = (p + z2 / (2 * n)) / denom
+    half = z / denom * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n))
+    return (max(0.0, center - half), min(1.0, center + half))
+
+
+def check_gate_config(lower_bound: Optional[float], max_drop: Optional[float], baseline: str,
+                      baseline_accuracy: Optional[float]) -> None:
+    """ValueError naming the key, for config validation (no torch)."""
+    if baseline not in BASELINE_MODES:
+        raise ValueError(f"stages.mmlu.baseline={baseline!r}: valid values are {list(BASELINE_MODES)}")
+    for key, v in (("lower_bound", lower_bound), ("baseline_accuracy", baseline_accuracy)):
+        if v is not None and not 0 <= v <= 1:
+            raise ValueError(f"stages.mmlu.{key}={v!r}: must be null or in [0, 1]")
+    if max_drop is not None and not 0 <= max_drop <= 1:
+        raise ValueError(f"stages.mmlu.max_drop={max_drop!r}: must be null or in [0, 1]")
+    if baseline == "recorded" and baseline_accuracy is None:
+        raise ValueError("stages.mmlu.baseline='recorded' needs stages.mmlu.baseline_accuracy "
+                         "(a number in [0, 1])")
+    if baseline != "recorded" and baseline_accuracy is not None:
+        raise ValueError(f"stages.mmlu.baseline_accuracy={baseline_accuracy!r} is only used with "
+                         f"baseline='recorded' (got baseline={baseline!r})")
+    if max_drop is not None and baseline == "none":
+        raise ValueError(f"stages.mmlu.max_drop={max_drop!r} needs a baseline: valid "
+                         f"stages.mmlu.baseline values with max_drop are 'recorded', 'evaluate'")
+
+
+@dataclass
+class GateDecision:
+    passed: bool
+    accuracy: float
+    n: int
+    correct: int
+    interval: tuple[float, float]
+    lower_bound: Optional[float] = None
+    max_drop: Optional[float] = None
+    baseline_accuracy: Optional[float] = None
+    drop: Optional[float] = None
+    agreement: Optional[float] = None
+    failures: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["interval"] = list(self.interval)
+        return d
+
+
+def decide(correct: int, n: int, lower_bound: Optional[float] = None,
+           max_drop: Optional[float] = None, baseline_accuracy: Optional[float] = None,
+           agreement: Optional[float] = None) -> GateDecision:
+    if n <= 0:
+        return GateDecision(False, 0.0, 0, 0, (0.0, 1.0), lower_bound, max_drop,
+                            baseline_accuracy, failures=["no questions were evaluated"])
+    acc = correct / n
+    lo, hi = wilson_interval(correct, n)
+    d = GateDecision(True, acc, n, correct, (lo, hi), lower_bound, max_drop, baseline_accuracy,
+                     agreement=agreement)
+    if lower_bound is not None:
+        if acc < lower_bound:
+            d.failures.append(f"accuracy {acc:.4f} ({correct}/{n}) < lower_bound {lower_bound}")
+        if lo < lower_bound < hi:
+            d.warnings.append(f"95% interval [{lo:.4f}, {hi:.4f}] straddles lower_bound "
+                              f"{lower_bound}: raise fraction (n={n}) for a stable decision")
+    if max_drop is not None:
+        if baseline_accuracy is None:
+            raise ValueError("max_drop needs baseline_accuracy")
+        d.drop = baseline_accuracy - acc
+        if d.drop > max_drop + 1e-12:
+            d.failures.append(f"accuracy {acc:.4f} dropped {d.drop:.4f} from baseline "
+                              f"{baseline_accuracy:.4f} > max_drop {max_drop}")
+        threshold = baseline_accuracy - max_drop
+        if lo < threshold < hi:
+            d.warnings.append(f"95% interval [{lo:.4f}, {hi:.4f}] straddles baseline - max_drop "
+                              f"= {threshold:.4f}: raise fraction (n={n}) for a stable decision")
+    d.passed = not d.failures
+    return d
+
+
+def per_subject(subjects: Sequence[str], correct: Sequence[bool]) -> "OrderedDict[str, dict]":
+    """{subject: {n, correct, accuracy}} in first-seen order."""
+    out: OrderedDict[str, dict] = OrderedDict()
+    for s, c in zip(subjects, correct):
+        e = out.setdefault(s, {"n": 0, "correct": 0})
+        e["n"] += 1
+        e["correct"] += int(bool(c))
+    for e in out.values():
+        e["accuracy"] = e["correct"] / e["n"]
+    return out
+
+
+def agreement(a: Sequence[int], b: Sequence[int]) -> float:
+    if len(a) != len(b):
+        raise ValueError(f"prediction lists differ in length: {len(a)} vs {len(b)}")
+    return sum(x == y for x, y in zip(a, b)) / len(a) if a else 1.0
+
+
+def format_table(subjects: "OrderedDict[str, dict]") -> str:
+    width = max([len("subject")] + [len(s) for s in subjects])
+    lines = [f"{'subject':<{width}}  {'n':>5}  {'correct':>7}  {'acc':>6}"]
+    for s, e in subjects.items():
+        lines.append(f"{s:<{width}}  {e['n']:>5}  {e['correct']:>7}  {e['accuracy']:>6.3f}")
+    return "\n".join(lines)

@@ -1,0 +1,206 @@
+"""Ordered stages over one run directory: plan, run, resume, stop on failure (no torch).
+
+quantize -> mmlu -> export -> vllm_smoke.  A failed stage (a gate below its bound included)
+stops the pipeline unless `allow_to_fail`; `--resume RUN_DIR` skips stages whose manifest
+matches the current config and reruns the rest (and everything after the first rerun).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Optional
+
+from omegaconf import DictConfig
+
+from launcher.config.schema import STAGE_ORDER
+from launcher.config.validate import enabled_stages, stage_dims
+from launcher.executors.base import CANCELLED, COMPLETED, FAILED, StagePlan
+from launcher.rundir import (DISABLED, RUNNING, SKIPPED, RunDirectory, read_json, split_secrets)
+from launcher.stages.context import EXIT_DESYNC, EXIT_GATE_FAILED, EXIT_PREFLIGHT
+
+EXIT_REASONS = {EXIT_GATE_FAILED: "gate failed (accuracy below the bound)", EXIT_DESYNC: "desync guard tripped",
+                EXIT_PREFLIGHT: "preflight failed (process groups)", 130: "cancelled"}
+
+
+def stage_plan(cfg: DictConfig, stage: str, run_dir: str, python: Optional[str] = None,
+               preflight_only: bool = False) -> StagePlan:
+    dims = stage_dims(cfg, stage)
+    argv = [python or sys.executable, "-m", "launcher.worker", stage, run_dir]
+    if preflight_only:
+        argv.append("--preflight-only")
+    plain_env, _ = split_secrets(dict(cfg.env))
+    return StagePlan(name=stage, world_size=dims.world_size, argv=argv, env=plain_env,
+                     log_path=os.path.join(run_dir, stage, "log.txt"), allow_to_fail=bool(cfg.allow_to_fail))
+
+
+def build_plans(cfg: DictConfig, run_dir: str, python: Optional[str] = None,
+                preflight_only: bool = False) -> list[StagePlan]:
+    if python is None and cfg.executor.kind == "slurm":
+        python = cfg.executor.python
+    return [stage_plan(cfg, s, run_dir, python, preflight_only) for s in enabled_stages(cfg)]
+
+
+def make_executor(cfg: DictConfig, run_dir: str):
+    if cfg.executor.kind == "local":
+        from launcher.executors.local import LocalExecutor
+
+        return LocalExecutor(cfg.executor, run_dir)
+    from launcher.executors.slurm import SlurmExecutor
+
+    return SlurmExecutor(cfg.executor, run_dir)
+
+
+def _export_secrets(cfg: DictConfig) -> None:
+    """Secrets reach ranks through the environment (inherited), never through files."""
+    _, secret_env = split_secrets(dict(cfg.env))
+    os.environ.update(secret_env)
+
+
+def stages_to_run(cfg: DictConfig, run: RunDirectory, resume: bool) -> list[str]:
+    """Enabled stages minus those a resume may skip (up to the first one that must rerun)."""
+    todo = enabled_stages(cfg)
+    if not resume:
+        return todo
+    out, rerun = [], False
+    for s in todo:
+        if not rerun and run.stage_is_current(cfg, s):
+            run.update_stage(s, status=SKIPPED, reason="resume: manifest matches the config")
+            print(f"[launch] {s}: skipped (resume: manifest matches the config)", flush=True)
+            continue
+        rerun = True
+        out.append(s)
+    return out
+
+
+def _record_stage_outcome(run: RunDirectory, stage: str, state: str, exit_code: int) -> str:
+    """metadata.json for a finished stage; returns its status word."""
+    skip = read_json(os.path.join(run.stage_dir(stage), "skip.json"))
+    if state == COMPLETED and skip:
+        run.update_stage(stage, status=SKIPPED, reason=skip.get("reason", ""), exit_code=exit_code)
+        print(f"[launch] {stage}: SKIPPED - {skip.get('reason', '')}", flush=True)
+        return SKIPPED
+    status = {COMPLETED: "completed", FAILED: "failed", CANCELLED: "cancelled"}.get(state, state.lower())
+    fields = {"status": status, "exit_code": exit_code, "state": state}
+    if state != COMPLETED:
+        fields["reason"] = EXIT_REASONS.get(exit_code, f"exit code {exit_code}")
+    run.update_stage(stage, **fields)
+    return status
+
+
+def run_pipeline(cfg: DictConfig, run: RunDirectory, resume: bool = False, preflight_only: bool = False,
+                 detach: bool = False) -> int:
+    """Run every enabled stage; returns the process exit code for `launch`."""
+    _export_secrets(cfg)
+    todo = enabled_stages(cfg) if preflight_only else stages_to_run(cfg, run, resume)
+    plans = [stage_plan(cfg, s, run.path, cfg.executor.python if cfg.executor.kind == "slurm" else None,
+                        preflight_only) for s in todo]
+    run.update_run(status=RUNNING, started=time.time())
+    if cfg.executor.kind == "slurm":
+        return _run_slurm(cfg, run, plans, detach)
+    return _run_local(cfg, run, plans, preflight_only)
+
+
+def _run_local(cfg: DictConfig, run: RunDirectory, plans: list[StagePlan], preflight_only: bool) -> int:
+    executor = make_executor(cfg, run.path)
+    final_code = 0
+    for i, plan in enumerate(plans):
+        what = "preflight" if preflight_only else "running"
+        print(f"[launch] {plan.name}: {what} on {plan.world_size} local rank(s) -> {plan.log_path}", flush=True)
+        run.update_stage(plan.name, status=RUNNING, world_size=plan.world_size)
+        result = executor.run_stage(plan)
+        status = _record_stage_outcome(run, plan.name, result.state, result.exit_code)
+        print(f"[launch] {plan.name}: {status} in {result.duration_s:.1f}s (exit {result.exit_code})", flush=True)
+        if result.state == CANCELLED:
+            _mark_not_run(run, [p.name for p in plans[i + 1:]], "cancelled")
+            run.update_run(status="cancelled", ended=time.time())
+            return 130
+        if result.state != COMPLETED:
+            final_code = result.exit_code or 1
+            if not cfg.allow_to_fail:
+                _mark_not_run(run, [p.name for p in plans[i + 1:]], f"{plan.name} failed")
+                break
+    run.update_run(status="completed" if final_code == 0 else "failed", ended=time.time(), exit_code=final_code)
+    _print_summary(run)
+    return final_code
+
+
+def _mark_not_run(run: RunDirectory, stages: list[str], why: str) -> None:
+    for s in stages:
+        run.update_stage(s, status="not_run", reason=why)
+        print(f"[launch] {s}: not run ({why})", flush=True)
+
+
+def _run_slurm(cfg: DictConfig, run: RunDirectory, plans: list[StagePlan], detach: bool) -> int:
+    executor = make_executor(cfg, run.path)
+    job_ids = executor.submit(plans)
+    for plan, job in zip(plans, job_ids):
+        run.update_stage(plan.name, status="submitted", job_id=job)
+        print(f"[launch] {plan.name}: submitted as Slurm job {job}", flush=True)
+    if detach:
+        print(f"[launch] detached; follow with: launch status {run.path}", flush=True)
+        return 0
+
+    def on_state(stage: str, state: str, info: dict) -> None:
+        if state == "RUNNING":
+            run.update_stage(stage, status=RUNNING)
+        print(f"[launch] {stage}: {state} {info.get('reason', '') or ''}".rstrip(), flush=True)
+
+    try:
+        finals = executor.follow(job_ids, on_state)
+    except KeyboardInterrupt:
+        executor.cancel(job_ids)
+        for plan in plans:
+            run.update_stage(plan.name, status="cancelled", reason="Ctrl-C: cancelled by launch")
+        run.update_run(status="cancelled", ended=time.time())
+        return 130
+    final_code = 0
+    for plan in plans:
+        state = finals.get(plan.name, "UNKNOWN")
+        info = executor.job_info(plan.name) if hasattr(executor, "job_info") else {}
+        code = int(info.get("exit_code", 0 if state == COMPLETED else 1) or (0 if state == COMPLETED else 1))
+        _record_stage_outcome(run, plan.name, state, code)
+        if state != COMPLETED:
+            run.update_stage(plan.name, reason=f"Slurm state {state}" + (f": {EXIT_REASONS[code]}" if code in EXIT_REASONS else ""))
+            final_code = final_code or code or 1
+    run.update_run(status="completed" if final_code == 0 else "failed", ended=time.time(), exit_code=final_code)
+    _print_summary(run)
+    return final_code
+
+
+def _print_summary(run: RunDirectory) -> None:
+    meta = run.metadata()
+    print(f"[launch] run {meta['run_id']}: {meta['status']}  ({run.path})", flush=True)
+    for s in STAGE_ORDER:
+        st = meta["stages"].get(s, {})
+        if st.get("status") == DISABLED and not st.get("reason"):
+            continue
+        extra = f" - {st['reason']}" if st.get("reason") else ""
+        dur = f" {st['duration_s']:.1f}s" if "duration_s" in st else ""
+        print(f"[launch]   {s:<11} {st.get('status', '?'):<10}{dur}{extra}", flush=True)
+    results = read_json(os.path.join(run.path, "mmlu", "results.json"))
+    if results:
+        print(f"[launch]   mmlu accuracy {results.get('accuracy')} (n={results.get('n')}, "
+              f"bound {results.get('lower_bound', results.get('bound'))}, pass={results.get('pass')})", flush=True)
+
+
+def describe_plan(cfg: DictConfig, run_dir: str = "<run_dir>") -> dict:
+    """Machine-readable plan for `--dry-run --json`."""
+    stages = []
+    for s in STAGE_ORDER:
+        st = cfg.stages[s]
+        dims = stage_dims(cfg, s)
+        entry = {"name": s, "enabled": bool(st.enabled), **dims.describe()}
+        if s == "mmlu":
+            entry["shard_mode"] = st.shard_mode
+            entry["shard_group"] = ("edp" if (st.shard_mode == "lockstep" and dims.ep > 1) else "dp")
+        if not st.enabled and st.get("disabled_reason"):
+            entry["disabled_reason"] = st.disabled_reason
+        stages.append(entry)
+    return {"job_name": cfg.job_name, "executor": cfg.executor.kind, "recipe": cfg.recipe.name,
+            "model": cfg.model.name, "stages": stages}
+
+
+def format_json(data: dict) -> str:
+    return json.dumps(data, indent=2)

@@ -1,0 +1,1 @@
+"""Quantization: recipe resolution, calibration data, and the post-quantization summary checks."""

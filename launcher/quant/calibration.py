@@ -1,0 +1,115 @@
+"""Calibration data from a local path, tokenized into identical batches on every rank.
+
+Sources (``calib.dataset``):
+
+* ``*.jsonl``: one JSON object a line; the ``text_key`` field, else a chat ``messages`` list
+  rendered with the tokenizer's chat template (joined contents when it has none);
+* ``*.txt``: paragraphs separated by blank lines;
+* a directory written by ``datasets.Dataset.save_to_disk`` (``load_from_disk``; the ``train``
+  split of a DatasetDict, else its first split), same fields as jsonl.
+
+Texts are tokenized, joined with EOS and packed into ``size`` samples of ``max_seq_len``
+tokens (shorter when the data holds fewer tokens; no padding, so every token is real), grouped
+into batches of ``batch_size``.  The process is deterministic and reads nothing rank-specific,
+so every rank builds the same batches: calibration forwards are collectives (EP all-to-all,
+PP send/recv) and every rank must make the same number of them.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Iterable
+
+
+def _render(record: dict[str, Any], text_key: str, tokenizer, where: str) -> str:
+    if isinstance(record.get(text_key), str):
+        return record[text_key]
+    messages = record.get("messages")
+    if isinstance(messages, list) and messages:
+        if getattr(tokenizer, "chat_template", None):
+            return tokenizer.apply_chat_template(messages, tokenize=False)
+        return "\n".join(str(m.get("content", "")) for m in messages if isinstance(m, dict))
+    raise ValueError(f"{where}: record has neither a string {text_key!r} field nor a 'messages' list "
+                     f"(keys: {sorted(record)})")
+
+
+def _jsonl_records(path: str) -> Iterable[tuple[dict, str]]:
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    yield json.loads(line), f"{path}:{lineno}"
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{lineno} is not valid JSON: {e}") from e
+
+
+def load_calibration_texts(path: str, size: int, text_key: str = "text", tokenizer=None) -> list[str]:
+    """Up to ``size`` non-empty texts from ``path`` (in file order)."""
+    if size < 1:
+        raise ValueError(f"calib.size must be >= 1, got {size}")
+    if not os.path.exists(path):
+        raise ValueError(f"calib.dataset={path!r} does not exist")
+    texts: list[str] = []
+    if os.path.isdir(path):
+        import datasets
+
+        data = datasets.load_from_disk(path)
+        if isinstance(data, datasets.DatasetDict):
+            data = data["train"] if "train" in data else data[next(iter(data))]
+        for i, record in enumerate(data):
+            texts.append(_render(record, text_key, tokenizer, f"{path}[{i}]"))
+            if len(texts) >= size:
+                break
+    elif path.endswith(".jsonl"):
+        for record, where in _jsonl_records(path):
+            texts.append(_render(record, text_key, tokenizer, where))
+            if len(texts) >= size:
+                break
+    elif path.endswith(".txt"):
+        with open(path) as f:
+            paragraphs = [p.strip() for p in f.read().split("\n\n")]
+        texts = [p for p in paragraphs if p][:size]
+    else:
+        raise ValueError(f"calib.dataset={path!r}: expected a .jsonl file, a .txt file or a "
+                         "datasets directory (save_to_disk)")
+    texts = [t for t in texts if t.strip()]
+    if not texts:
+        raise ValueError(f"calib.dataset={path!r} holds no calibration text")
+    return texts
+
+
+def pack_tokens(token_lists: list[list[int]], size: int, max_seq_len: int, eos_id: int | None) -> list[list[int]]:
+    """Join the token lists (EOS between) and cut ``size`` equal samples of <= max_seq_len tokens."""
+    if max_seq_len < 1:
+        raise ValueError(f"calib.max_seq_len must be >= 1, got {max_seq_len}")
+    stream: list[int] = []
+    for tokens in token_lists:
+        stream.extend(tokens)
+        if eos_id is not None:
+            stream.append(eos_id)
+    seq_len = min(max_seq_len, len(stream) // size)
+    if seq_len < 1:
+        raise ValueError(f"calibration data has {len(stream)} tokens: too few for calib.size={size} samples")
+    return [stream[i * seq_len:(i + 1) * seq_len] for i in range(size)]
+
+
+def build_calibration_batches(tokenizer, texts: list[str], size: int, max_seq_len: int, batch_size: int):
+    """List of LongTensor batches [batch_size, seq] (the last one may be smaller)."""
+    import torch
+
+    if batch_size < 1:
+        raise ValueError(f"calib.batch_size must be >= 1, got {batch_size}")
+    token_lists = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    samples = pack_tokens(token_lists, size, max_seq_len, tokenizer.eos_token_id)
+    return [torch.tensor(samples[i:i + batch_size], dtype=torch.long)
+            for i in range(0, len(samples), batch_size)]
+
+
+def calibration_batches(calib_cfg, tokenizer_path: str, trust_remote_code: bool = False):
+    """Batches for a CalibConfig (dataset, size, max_seq_len, batch_size, text_key)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=trust_remote_code)
+    texts = load_calibration_texts(calib_cfg.dataset, calib_cfg.size, calib_cfg.text_key, tokenizer)
+    return build_calibration_batches(tokenizer, texts, calib_cfg.size, calib_cfg.max_seq_len,
+                                     calib_cfg.batch_size)

@@ -1,0 +1,115 @@
+"""RecipeConfig -> ModelOpt quantization config (a dict ``mtq.quantize`` accepts), or None.
+
+A recipe names either an attribute of ``modelopt.torch.quantization`` (``modelopt_cfg``, e.g.
+NVFP4_DEFAULT_CFG) or a ModelOpt recipe YAML (``recipe_path``: a file path, or a path inside
+ModelOpt's built-in recipe library such as ``general/ptq/nvfp4_mlp_weight_only``).  Format
+``none`` means no quantization.  ``exclude_modules`` (module-name wildcards) become
+``enable: false`` entries appended after the recipe's own entries, so they win.
+"""
+from __future__ import annotations
+
+import copy
+import os
+from typing import Any
+
+FORMATS = ("nvfp4", "fp8", "int4_awq", "w4a8", "mxfp4", "int8", "none")
+
+
+def _get(recipe, key: str, default=None):
+    if isinstance(recipe, dict):
+        return recipe.get(key, default)
+    return getattr(recipe, key, default)
+
+
+def validate_recipe(recipe) -> None:
+    """Structural checks that need no torch (the CLI's validation can call this)."""
+    name = _get(recipe, "name")
+    fmt = _get(recipe, "format")
+    cfg_name, path = _get(recipe, "modelopt_cfg"), _get(recipe, "recipe_path")
+    if fmt not in FORMATS:
+        raise ValueError(f"recipe {name!r}: format={fmt!r} is not valid; valid values: {list(FORMATS)}")
+    if fmt == "none":
+        if cfg_name or path:
+            raise ValueError(f"recipe {name!r}: format 'none' must have modelopt_cfg and recipe_path null "
+                             f"(got modelopt_cfg={cfg_name!r}, recipe_path={path!r})")
+        return
+    if bool(cfg_name) == bool(path):
+        raise ValueError(f"recipe {name!r}: set exactly one of modelopt_cfg and recipe_path "
+                         f"(got modelopt_cfg={cfg_name!r}, recipe_path={path!r})")
+    for pattern in _get(recipe, "exclude_modules") or []:
+        if not isinstance(pattern, str) or not pattern:
+            raise ValueError(f"recipe {name!r}: exclude_modules entries must be non-empty strings, got {pattern!r}")
+
+
+def named_modelopt_configs() -> list[str]:
+    import modelopt.torch.quantization as mtq
+
+    return sorted(n for n in dir(mtq) if n.endswith("_CFG") and isinstance(getattr(mtq, n), dict))
+
+
+def _load_named(name: str) -> dict[str, Any]:
+    import modelopt.torch.quantization as mtq
+
+    value = getattr(mtq, name, None)
+    if not isinstance(value, dict):
+        raise ValueError(f"recipe modelopt_cfg={name!r} is not a ModelOpt quantization config; "
+                         f"valid values: {named_modelopt_configs()}")
+    return copy.deepcopy(value)
+
+
+def _load_recipe_yaml(path: str) -> dict[str, Any]:
+    from modelopt.recipe.loader import load_recipe
+
+    try:
+        loaded = load_recipe(path)
+    except (FileNotFoundError, ValueError) as e:
+        raise ValueError(f"recipe_path={path!r} cannot be loaded as a ModelOpt recipe: {e}") from e
+    quantize = getattr(loaded, "quantize", None)
+    if quantize is None:
+        raise ValueError(f"recipe_path={path!r} is not a PTQ recipe (no 'quantize' section)")
+    return quantize.model_dump() if hasattr(quantize, "model_dump") else dict(quantize)
+
+
+def exclusion_entries(patterns: list[str]) -> list[dict[str, Any]]:
+    """quant_cfg entries disabling every quantizer of modules matching the wildcard patterns."""
+    entries = []
+    for pattern in patterns:
+        entries.append({"quantizer_name": pattern, "enable": False})
+        if not pattern.endswith("*"):
+            entries.append({"quantizer_name": f"{pattern}.*", "enable": False})
+    return entries
+
+
+def resolve_quant_cfg(recipe, base_dir: str | None = None) -> dict[str, Any] | None:
+    """The ModelOpt config for ``recipe`` (None for format 'none'). Raises ValueError when invalid."""
+    validate_recipe(recipe)
+    if _get(recipe, "format") == "none":
+        return None
+    cfg_name, path = _get(recipe, "modelopt_cfg"), _get(recipe, "recipe_path")
+    if cfg_name:
+        cfg = _load_named(cfg_name)
+    else:
+        if base_dir and not os.path.isabs(path) and os.path.exists(os.path.join(base_dir, path)):
+            path = os.path.join(base_dir, path)
+        cfg = _load_recipe_yaml(path)
+    excludes = list(_get(recipe, "exclude_modules") or [])
+    if excludes:
+        quant_cfg = cfg.get("quant_cfg")
+        if isinstance(quant_cfg, list):
+            cfg["quant_cfg"] = list(quant_cfg) + exclusion_entries(excludes)
+        elif isinstance(quant_cfg, dict):  # older ModelOpt layout: {pattern: cfg}
+            cfg["quant_cfg"] = {**quant_cfg, **{e["quantizer_name"]: {"enable": False}
+                                                for e in exclusion_entries(excludes)}}
+        else:
+            raise ValueError(f"recipe {_get(recipe, 'name')!r}: its ModelOpt config has no quant_cfg to "
+                             "apply exclude_modules to")
+    return cfg
+
+
+def calibration_algorithm(cfg: dict[str, Any] | None) -> str | None:
+    if cfg is None:
+        return None
+    algo = cfg.get("algorithm", "max")
+    if isinstance(algo, dict):
+        return algo.get("method", str(algo))
+    return str(algo) if algo is not None else None

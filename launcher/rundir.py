@@ -1,0 +1,175 @@
+"""The run directory: resolved config, metadata.json, per-stage manifests (no torch).
+
+    <runs_root>/<job_name>/<run_id>/config.yaml     resolved config, secrets masked
+                                   metadata.json   run id, job, note, per-stage status and timings, versions
+                                   <stage>/manifest.json  written by the stage's rank 0 on success
+
+A stage's manifest records ``stage_config_hash``: the hash of everything that determines its
+output (model, recipe, seed and every stage up to it).  ``--resume`` skips a stage whose
+manifest matches the current config and reruns the rest.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import os
+import platform
+import re
+import secrets as _secrets
+import time
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+from launcher.config.schema import STAGE_ORDER
+from launcher.stages.context import write_json_atomic
+
+SECRET_NAME = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|ACCESS_KEY|PRIVATE_KEY)", re.IGNORECASE)
+MASK = "***"
+
+# statuses in metadata.json
+PENDING, RUNNING, COMPLETED, FAILED, SKIPPED, DISABLED, CANCELLED = (
+    "pending", "running", "completed", "failed", "skipped", "disabled", "cancelled")
+
+
+def new_run_id() -> str:
+    return _dt.datetime.now().strftime("%Y%m%d-%H%M%S-") + _secrets.token_hex(2)
+
+
+def split_secrets(env: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+    """(plain, secret) by variable name."""
+    plain = {k: v for k, v in env.items() if not SECRET_NAME.search(k)}
+    secret = {k: v for k, v in env.items() if SECRET_NAME.search(k)}
+    return plain, secret
+
+
+def masked_config(cfg: DictConfig) -> DictConfig:
+    data = OmegaConf.to_container(cfg, resolve=True)
+    for key in list(data.get("env", {})):
+        if SECRET_NAME.search(key):
+            data["env"][key] = MASK
+    return OmegaConf.create(data)
+
+
+def stage_config_hash(cfg: DictConfig, stage: str) -> str:
+    """Hash of what determines `stage`'s output: model, recipe, seed, stages up to `stage`.
+
+    Executor, job name, note, test level and runs_root do not change outputs and are left out;
+    `enabled` flags are left out too (a disabled upstream stage contributes nothing).
+    """
+    assert stage in STAGE_ORDER, stage
+    data = OmegaConf.to_container(cfg, resolve=True)
+    upstream = {}
+    for s in STAGE_ORDER[: STAGE_ORDER.index(stage) + 1]:
+        part = dict(data["stages"][s])
+        enabled = part.pop("enabled", True)
+        part.pop("disabled_reason", None)
+        upstream[s] = part if enabled else None
+    payload = {"model": data["model"], "recipe": data["recipe"], "seed": data["seed"], "stages": upstream}
+    blob = json.dumps(payload, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def read_json(path: str) -> Optional[dict]:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return None
+
+
+def launcher_versions() -> dict[str, str]:
+    from importlib import metadata
+
+    out = {"python": platform.python_version()}
+    for dist in ("ptq-launcher", "hydra-core", "omegaconf", "submitit"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+class RunDirectory:
+    def __init__(self, path: str):
+        self.path = os.path.abspath(path)
+
+    @classmethod
+    def create(cls, cfg: DictConfig, run_id: Optional[str] = None) -> "RunDirectory":
+        run_id = run_id or new_run_id()
+        path = os.path.join(os.path.abspath(cfg.runs_root), cfg.job_name, run_id)
+        os.makedirs(path, exist_ok=False)
+        rd = cls(path)
+        rd.write_config(cfg)
+        stages = {s: {"status": PENDING if cfg.stages[s].enabled else DISABLED} for s in STAGE_ORDER}
+        for s in STAGE_ORDER:
+            reason = cfg.stages[s].get("disabled_reason") if not cfg.stages[s].enabled else None
+            if reason:
+                stages[s]["reason"] = reason
+        rd.write_metadata({
+            "run_id": run_id, "job_name": cfg.job_name, "note": cfg.note, "allow_to_fail": cfg.allow_to_fail,
+            "test_level": cfg.test_level, "created": _dt.datetime.now().isoformat(timespec="seconds"),
+            "executor": cfg.executor.kind, "status": PENDING, "stages": stages, "versions": launcher_versions(),
+        })
+        return rd
+
+    @property
+    def run_id(self) -> str:
+        return os.path.basename(self.path)
+
+    def config_path(self) -> str:
+        return os.path.join(self.path, "config.yaml")
+
+    def write_config(self, cfg: DictConfig) -> None:
+        tmp = self.config_path() + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(OmegaConf.to_yaml(masked_config(cfg)))
+        os.replace(tmp, self.config_path())
+
+    def load_config(self) -> DictConfig:
+        return OmegaConf.load(self.config_path())
+
+    def stage_dir(self, stage: str) -> str:
+        return os.path.join(self.path, stage)
+
+    # -- metadata -------------------------------------------------------------------------
+    def metadata(self) -> dict[str, Any]:
+        data = read_json(os.path.join(self.path, "metadata.json"))
+        assert data is not None, f"no metadata.json in {self.path}"
+        return data
+
+    def write_metadata(self, data: dict[str, Any]) -> None:
+        write_json_atomic(os.path.join(self.path, "metadata.json"), data)
+
+    def update_stage(self, stage: str, **fields: Any) -> None:
+        data = self.metadata()
+        entry = data["stages"].setdefault(stage, {})
+        if fields.get("status") == RUNNING:
+            entry.pop("reason", None)
+            entry["started"] = time.time()
+        if fields.get("status") in (COMPLETED, FAILED, CANCELLED) and "started" in entry:
+            entry["duration_s"] = round(time.time() - entry["started"], 2)
+        entry.update(fields)
+        self.write_metadata(data)
+
+    def update_run(self, **fields: Any) -> None:
+        data = self.metadata()
+        data.update(fields)
+        self.write_metadata(data)
+
+    # -- manifests ------------------------------------------------------------------------
+    def manifest(self, stage: str) -> Optional[dict]:
+        return read_json(os.path.join(self.stage_dir(stage), "manifest.json"))
+
+    def stage_is_current(self, cfg: DictConfig, stage: str) -> bool:
+        m = self.manifest(stage)
+        return bool(m) and m.get("status") == COMPLETED and m.get("stage_config_hash") == stage_config_hash(cfg, stage)
+
+
+def write_manifest(run_dir: str, cfg: DictConfig, stage: str, extra: Optional[dict] = None) -> None:
+    """Called by a stage's rank 0 after it completed (worker)."""
+    data = {"stage": stage, "status": COMPLETED, "stage_config_hash": stage_config_hash(cfg, stage),
+            "finished": _dt.datetime.now().isoformat(timespec="seconds")}
+    data.update(extra or {})
+    write_json_atomic(os.path.join(run_dir, stage, "manifest.json"), data)

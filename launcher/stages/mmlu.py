@@ -1,0 +1,179 @@
+"""Stage ``mmlu``: evaluate the quantized checkpoint on MMLU and gate the pipeline on it.
+
+Every rank: load the questions from exactly ``stages.mmlu.dataset`` (few-shot examples from its
+dev split or ``dev_dataset``), select ``fraction`` per subject, render lm-eval prompts, tokenize
+with the checkpoint's tokenizer, batch, plan the shards (``shard_mode``), build the model at the
+stage's degrees and load ``quantize/checkpoint`` (or import the HF weights when quantize is
+disabled), run the plan under the desync guard.  ``baseline=evaluate`` first evaluates the
+unquantized HF weights on the same questions in the same model (the checkpoint is loaded after).
+Rank 0 gathers, decides the gate, writes ``mmlu/results.json`` atomically and broadcasts the
+decision; on "fail" every rank raises ``StageFailed(exit_code=EXIT_GATE_FAILED)``.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from launcher.mmlu import gate as gate_mod
+from launcher.mmlu.batching import Batch, make_batches, padding_efficiency
+from launcher.mmlu.data import LETTERS, Question, load_dev, load_mmlu
+from launcher.mmlu.prompts import Prompt, build_prompts, choice_token_ids, encode_prompts, select_fraction
+from launcher.stages.context import EXIT_GATE_FAILED, StageContext, StageFailed, write_json_atomic
+
+
+@dataclass
+class Prepared:
+    prompts: list[Prompt]
+    token_ids: list[list[int]]
+    batches: list[Batch]
+    choice_ids: list[int]
+    pad_id: int
+    truncated: int
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+
+
+def pad_token_id(tokenizer) -> int:
+    for attr in ("pad_token_id", "eos_token_id"):
+        v = getattr(tokenizer, attr, None)
+        if v is not None:
+            return int(v)
+    return 0
+
+
+def prepare(scfg, tokenizer) -> Prepared:
+    """Questions -> prompts -> token ids -> batches (pure Python given a tokenizer)."""
+    questions = load_mmlu(scfg.dataset, "test")
+    if not questions:
+        raise StageFailed(f"stages.mmlu.dataset={scfg.dataset!r} holds no test questions")
+    questions = select_fraction(questions, scfg.fraction)
+    dev: Sequence[Question] = load_dev(scfg.dataset, scfg.dev_dataset) if scfg.few_shots else ()
+    prompts = build_prompts(questions, dev, scfg.few_shots)
+    token_ids, truncated = encode_prompts(prompts, tokenizer, scfg.add_bos, scfg.max_seq_len)
+    batches = make_batches([len(t) for t in token_ids], scfg.batch_size, scfg.max_batch_tokens)
+    return Prepared(prompts, token_ids, batches, choice_token_ids(tokenizer), pad_token_id(tokenizer),
+                    truncated)
+
+
+def build_results(prepared: Prepared, results: dict, scfg, decision: gate_mod.GateDecision,
+                  plan, baseline: Optional[dict] = None, timings: Optional[dict] = None) -> dict:
+    """The content of mmlu/results.json (pure)."""
+    qs = [p.question for p in prepared.prompts]
+    preds = [results[i][0] for i in range(len(qs))]
+    subjects = gate_mod.per_subject([q.subject for q in qs], [p == q.answer for p, q in zip(preds, qs)])
+    per_q = []
+    for i, q in enumerate(qs):
+        entry = {"index": q.index, "subject": q.subject, "answer": LETTERS[q.answer],
+                 "prediction": LETTERS[preds[i]], "correct": preds[i] == q.answer,
+                 "logits": [round(float(x), 6) for x in results[i][1]]}
+        if baseline is not None:
+            entry["baseline_prediction"] = LETTERS[baseline[i][0]]
+            entry["baseline_logits"] = [round(float(x), 6) for x in baseline[i][1]]
+        per_q.append(entry)
+    summary = plan.summary()
+    eff = padding_efficiency(prepared.batches)
+    eff_plan = padding_efficiency(prepared.batches, sum(summary["padded_tokens_per_rank"])) \
+        if plan.mode != "lockstep" else None
+    return {
+        "accuracy": decision.accuracy, "n": decision.n, "correct": decision.correct,
+        "interval": list(decision.interval), "interval_level": 0.95, "interval_method": "wilson",
+        "lower_bound": decision.lower_bound, "max_drop": decision.max_drop,
+        "baseline": {"mode": scfg.baseline, "accuracy": decision.baseline_accuracy,
+                     "drop": decision.drop},
+        "agreement": decision.agreement, "pass": decision.passed,
+        "failures": decision.failures, "warnings": decision.warnings,
+        "dataset": scfg.dataset, "dev_dataset": scfg.dev_dataset, "fraction": scfg.fraction,
+        "few_shots": scfg.few_shots, "add_bos": scfg.add_bos, "truncated_prompts": prepared.truncated,
+        "per_subject": subjects, "questions": per_q,
+        "shard_mode": plan.mode, "plan": summary,
+        "batches": {"count": len(prepared.batches), "batch_size": scfg.batch_size,
+                    "max_batch_tokens": scfg.max_batch_tokens},
+        "padding_efficiency": eff, "padding_efficiency_with_plan": eff_plan,
+        "timings": timings or {},
+    }
+
+
+def decide(prepared: Prepared, results: dict, scfg, baseline: Optional[dict]) -> gate_mod.GateDecision:
+    qs = [p.question for p in prepared.prompts]
+    preds = [results[i][0] for i in range(len(qs))]
+    correct = sum(p == q.answer for p, q in zip(preds, qs))
+    base_acc, agree = None, None
+    if scfg.baseline == "recorded":
+        base_acc = float(scfg.baseline_accuracy)
+    elif scfg.baseline == "evaluate" and baseline is not None:
+        bpreds = [baseline[i][0] for i in range(len(qs))]
+        base_acc = sum(p == q.answer for p, q in zip(bpreds, qs)) / len(qs)
+        agree = gate_mod.agreement(preds, bpreds)
+    return gate_mod.decide(correct, len(qs), scfg.lower_bound, scfg.max_drop, base_acc, agree)
+
+
+def run(ctx: StageContext) -> None:
+    from launcher.megatron.checkpoint import load_checkpoint
+    from launcher.megatron.hf_io import import_hf_weights
+    from launcher.megatron.models import build_model
+    from launcher.mmlu.evaluate import broadcast_from_rank0, evaluate_model
+
+    scfg, cfg = ctx.stage_cfg, ctx.cfg
+    gate_mod.check_gate_config(scfg.lower_bound, scfg.max_drop, scfg.baseline, scfg.baseline_accuracy)
+    timings: dict[str, float] = {}
+    t0 = time.time()
+    tokenizer = load_tokenizer(cfg.model.path, bool(cfg.model.get("trust_remote_code", False)))
+    prepared = prepare(scfg, tokenizer)
+    timings["prepare_s"] = time.time() - t0
+    ctx.log(f"{len(prepared.prompts)} questions, {len(prepared.batches)} batches, padding "
+            f"efficiency {padding_efficiency(prepared.batches):.3f}, shard_mode={scfg.shard_mode}")
+
+    t = time.time()
+    dtype = cfg.stages.quantize.get("dtype", "bfloat16")
+    model = build_model(cfg.model.path, ctx.dims, ctx.device, dtype, scfg.moe_dispatcher,
+                        bool(cfg.model.get("trust_remote_code", False)))
+    quantized = bool(cfg.stages.quantize.enabled)
+    evaluate_base = scfg.baseline == "evaluate"
+    if not quantized or evaluate_base:
+        import_hf_weights(model, cfg.model.path, dtype)
+    timings["build_s"] = time.time() - t
+    common = dict(dims=ctx.dims, rank=ctx.rank, mode=scfg.shard_mode, dispatcher=scfg.moe_dispatcher,
+                  timeout_s=float(scfg.collective_timeout_s),
+                  allow_unsafe=bool(scfg.allow_unsafe_shard_mode), stage=ctx.name, log=ctx.log,
+                  groups_cache={})
+    baseline = None
+    if evaluate_base and quantized:
+        t = time.time()
+        baseline, _, _ = evaluate_model(model, prepared, label="baseline", **common)
+        timings["baseline_eval_s"] = time.time() - t
+    if quantized:
+        t = time.time()
+        load_checkpoint(model, ctx.path("quantize", "checkpoint"))
+        timings["load_checkpoint_s"] = time.time() - t
+    t = time.time()
+    results, plan, local = evaluate_model(model, prepared, label="quantized" if quantized else "", **common)
+    timings["eval_s"] = time.time() - t
+    timings["forward_calls_this_rank"] = local.forward_calls
+    if evaluate_base and not quantized:
+        ctx.warn("baseline=evaluate with quantize disabled: the evaluated model is the baseline")
+        baseline = results
+
+    verdict = None
+    if ctx.rank == 0:
+        decision = decide(prepared, results, scfg, baseline)
+        timings["total_s"] = time.time() - t0
+        doc = build_results(prepared, results, scfg, decision, plan, baseline, timings)
+        write_json_atomic(f"{ctx.stage_dir}/results.json", doc)
+        ctx.log("per-subject accuracy:\n" + gate_mod.format_table(doc["per_subject"]))
+        lo, hi = decision.interval
+        ctx.log(f"accuracy {decision.accuracy:.4f} ({decision.correct}/{decision.n}), 95% interval "
+                f"[{lo:.4f}, {hi:.4f}], lower_bound {scfg.lower_bound}, baseline "
+                f"{decision.baseline_accuracy}, agreement {decision.agreement}: "
+                f"{'PASS' if decision.passed else 'FAIL'}")
+        for w in decision.warnings:
+            ctx.warn(w)
+        verdict = {"pass": decision.passed, "failures": decision.failures}
+    verdict = broadcast_from_rank0(verdict)
+    if not verdict["pass"]:
+        raise StageFailed("MMLU gate failed: " + "; ".join(verdict["failures"]),
+                          exit_code=EXIT_GATE_FAILED)

@@ -1,0 +1,111 @@
+"""`python -m launcher.worker STAGE RUN_DIR [--preflight-only]`: what every rank runs.
+
+Reads RUN_DIR/config.yaml, initializes torch.distributed + Megatron-Core parallel_state at the
+stage's degrees, runs the preflight, then ``launcher.stages.<STAGE>.run(ctx)``.  Rank 0 writes
+the stage's manifest on success.  Exit codes: launcher.stages.context (1 failed, 3 gate failed,
+4 desync, 5 preflight).
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import time
+import traceback
+
+
+def _env_int(*names: str, default: int | None = None) -> int:
+    for n in names:
+        if os.environ.get(n) not in (None, ""):
+            return int(os.environ[n])
+    if default is None:
+        raise RuntimeError(f"none of {names} is set: start workers through `launch` (local or slurm executor)")
+    return default
+
+
+def choose_device(requested: str, local_world: int) -> str:
+    import torch
+
+    if requested == "cpu":
+        return "cpu"
+    has_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= local_world
+    if requested == "cuda" and not has_cuda:
+        raise RuntimeError(f"executor.device=cuda but this node has {torch.cuda.device_count()} GPU(s) for "
+                           f"{local_world} local rank(s)")
+    return "cuda" if has_cuda else "cpu"
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 2:
+        print(__doc__, file=sys.stderr)
+        return 2
+    stage, run_dir = argv[0], os.path.abspath(argv[1])
+    preflight_only = "--preflight-only" in argv[2:]
+    # Environment first: set by the local agent, or derived from srun's.
+    rank = _env_int("RANK", "SLURM_PROCID")
+    world = _env_int("WORLD_SIZE", "SLURM_NTASKS")
+    local_rank = _env_int("LOCAL_RANK", "SLURM_LOCALID", default=0)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local_rank))
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29500")
+
+    from omegaconf import OmegaConf
+
+    from launcher.config.validate import stage_dims
+    from launcher.rundir import write_manifest
+    from launcher.stages.context import EXIT_FAILED, EXIT_PREFLIGHT, StageContext, StageFailed
+
+    cfg = OmegaConf.load(os.path.join(run_dir, "config.yaml"))
+    dims = stage_dims(cfg, stage)
+    if world != dims.world_size:
+        print(f"[{stage} r{rank}] started with WORLD_SIZE={world} but stages.{stage}.parallel needs "
+              f"{dims.world_size} ranks", file=sys.stderr, flush=True)
+        return EXIT_PREFLIGHT
+    local_world = _env_int("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", default=world)
+    device = choose_device(cfg.executor.device, local_world)
+    timeout_s = float(cfg.stages[stage].get("collective_timeout_s") or cfg.executor.collective_timeout_s)
+    ctx = StageContext(name=stage, cfg=cfg, run_dir=run_dir, rank=rank, world_size=world,
+                       local_rank=local_rank, dims=dims, device=device)
+    t0 = time.time()
+    from launcher.megatron import dist as mdist
+    from launcher.preflight import PreflightError, run_preflight
+
+    try:
+        mdist.init_distributed(dims, device, max(timeout_s, float(cfg.executor.collective_timeout_s)), cfg.seed)
+        run_preflight(dims, rank)
+        ctx.log(f"preflight ok: {dims.describe()} on {device} ({time.time() - t0:.1f}s)")
+    except (PreflightError, RuntimeError) as e:
+        print(f"[{stage} r{rank}] PREFLIGHT FAILED: {e}", file=sys.stderr, flush=True)
+        return EXIT_PREFLIGHT
+    if preflight_only:
+        mdist.shutdown()
+        return 0
+    try:
+        module = importlib.import_module(f"launcher.stages.{stage}")
+        module.run(ctx)
+    except StageFailed as e:
+        print(f"[{stage} r{rank}] STAGE FAILED: {e}", file=sys.stderr, flush=True)
+        _flush_and_exit(e.exit_code)
+    except Exception:  # noqa: BLE001 - every rank reports its own traceback, then exits non-zero
+        print(f"[{stage} r{rank}] STAGE FAILED with an exception:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        _flush_and_exit(EXIT_FAILED)
+    if rank == 0:
+        write_manifest(run_dir, cfg, stage, {"duration_s": round(time.time() - t0, 2), "world_size": world,
+                                             "device": device})
+    try:
+        mdist.shutdown()
+    except Exception:  # noqa: BLE001 - shutting down after success must not fail the stage
+        pass
+    ctx.log(f"done in {time.time() - t0:.1f}s")
+    return 0
+
+
+def _flush_and_exit(code: int) -> None:
+    """Exit at once: peers may be blocked in collectives; the agent tears them down."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Set up .venv for the launcher and the CPU worker (torch CPU, megatron-core from sdist, ModelOpt).
+# Facts behind each line: ../shared/notes/cpu-megatron.md. Idempotent: a stamp file records success.
+set -euo pipefail
+VENV=${VENV:-.venv}
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null || PY=python3
+STAMP="$VENV/.setup-done-v1"
+if [[ -f "$STAMP" ]]; then exit 0; fi
+echo "[setup] creating $VENV (one time, ~3-5 min)"
+"$PY" -m venv "$VENV"
+PIP="$VENV/bin/python -m pip"
+$PIP install -q --upgrade pip wheel setuptools
+# torch 2.13.0: this machine serves a local CPU wheel for it; any newer torch is a multi-GB CUDA build.
+$PIP install -q torch==2.13.0
+$PIP install -q numpy packaging pybind11
+# megatron-core >= 0.17 ships cp312-only wheels; the 0.19.2 sdist builds on 3.11.
+# --no-deps: --ignore-requires-python would otherwise also pick a cp312-only numpy sdist.
+$PIP install -q --ignore-requires-python --no-deps --no-binary megatron-core megatron-core==0.19.2
+# modelopt[hf] pins transformers < 5.15; requests (modelopt import) and psutil (dist-ckpt async
+# writer) are undeclared runtime deps; triton is imported unconditionally by megatron.core 0.19.2.
+$PIP install -q nvidia-modelopt==0.47.0 'transformers>=4.57,<5.15' safetensors tokenizers \
+    datasets requests psutil triton
+$PIP install -q -e '.[test]'
+touch "$STAMP"
+echo "[setup] done"

@@ -1,0 +1,271 @@
+"""MMLU evaluation on real Megatron-Core + gloo ranks (CPU).
+
+One 4-rank run evaluates a tiny Qwen3-MoE checkpoint at EP4 (balanced alltoall, lockstep,
+balanced allgather, then the pre-fix dense_dp mode that the guard must stop), EP2 x EDP2,
+TP2 x EP2, PP2 and dense DP4; every mode's predictions must equal transformers' (a single-rank,
+unsharded evaluation) question by question.  A second 4-rank run executes the stage itself
+(results.json, gate pass) and then the gate failing: every rank exits EXIT_GATE_FAILED.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import sys
+import time
+
+import pytest
+
+from distributed_utils import RanksFailed, run_on_ranks, write_tiny_qwen3_moe
+
+SUBJECTS = ("astronomy", "world_religions")
+N_PER_SUBJECT = 13
+
+
+def write_fixture_csv(root: str) -> str:
+    """A CSV dir (data/{dev,test}/<subject>_{split}.csv) with questions of varied length."""
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+    for split, n in (("test", N_PER_SUBJECT), ("dev", 2)):
+        d = os.path.join(root, "data", split)
+        os.makedirs(d, exist_ok=True)
+        for s_i, subject in enumerate(SUBJECTS):
+            with open(os.path.join(d, f"{subject}_{split}.csv"), "w", newline="") as f:
+                w = csv.writer(f)
+                for i in range(n):
+                    q = f"{split} q{i} about " + " ".join(words[: 1 + (i * 5 + s_i * 3) % 12]) + "?"
+                    choices = [f"{words[(i + k) % 12]} {k}" for k in range(4)]
+                    w.writerow([q, *choices, "ABCD"[(i + s_i) % 4]])
+    return root
+
+
+def mmlu_cfg(dataset: str, **over):
+    from omegaconf import OmegaConf
+
+    from launcher.config.schema import MmluStage
+
+    return OmegaConf.merge(OmegaConf.structured(MmluStage(dataset=dataset)),
+                           {"few_shots": 1, "batch_size": 2, **over})
+
+
+# ----------------------------------------------------------------------------- rank workers
+
+def eval_worker(hf_path: str, data_dir: str, cases: list[dict]) -> dict:
+    from launcher.megatron.dist import init_distributed, shutdown
+    from launcher.megatron.hf_io import import_hf_weights
+    from launcher.megatron.models import build_model
+    from launcher.mmlu.evaluate import evaluate_model
+    from launcher.mmlu.guard import DesyncError
+    from launcher.stages.mmlu import load_tokenizer, prepare
+    from launcher.topology import ParallelDims
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    prepared = prepare(mmlu_cfg(data_dir), load_tokenizer(hf_path))
+    out: dict = {}
+    for case in cases:
+        dims = ParallelDims(world_size=world, **case["layout"])
+        init_distributed(dims, "cpu", timeout_s=120, seed=1234)
+        model = build_model(hf_path, dims, "cpu", "float32", case["dispatcher"])
+        import_hf_weights(model, hf_path, "float32")
+        cache: dict = {}
+        for mode in case["modes"]:
+            key = "_".join(f"{k}{v}" for k, v in case["layout"].items()) or "dp4"
+            key = f"{key}/{mode}/{case['dispatcher']}"
+            t = time.time()
+            try:
+                res, plan, run = evaluate_model(model, prepared, dims, rank, mode, case["dispatcher"],
+                                                timeout_s=45, allow_unsafe=True, label=key,
+                                                groups_cache=cache)
+            except DesyncError as e:
+                out[key] = {"error": str(e), "exit_code": e.exit_code, "seconds": time.time() - t}
+                continue
+            out[key] = {"forward_calls": run.forward_calls, "dummies": run.dummies,
+                        "seconds": time.time() - t, "plan_calls": plan.forward_calls()}
+            if res is not None:
+                out[key]["predictions"] = [res[i][0] for i in range(len(prepared.prompts))]
+                out[key]["logits"] = [res[i][1] for i in range(len(prepared.prompts))]
+        if case.get("guard_probe"):
+            out["guard_probe"] = guard_probe(rank, world)
+    shutdown()
+    return out
+
+
+def guard_probe(rank: int, world: int) -> dict:
+    """Allgather shape mismatch at step 1 -> every rank raises; then a peer that never arrives."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from launcher.mmlu.guard import DesyncError, StepGuard, make_groups
+    from launcher.mmlu.sharding import plan_shards
+    from launcher.topology import ParallelDims
+
+    plan = plan_shards([(2, 10)] * 8, ParallelDims(world, ep=world), "balanced", "allgather")
+    guard = StepGuard(plan, rank, make_groups(plan, 45), label="probe")
+    res = {}
+    try:
+        guard.check(0, 2, 10, 2)
+        guard.check(1, 2, 11 if rank == 2 else 10, 2)
+        res["shape"] = "no error"
+    except DesyncError as e:
+        res["shape"] = str(e)
+    # a peer that never reaches the guard: the others fail after the guard timeout
+    group = dist.new_group(ranks=list(range(world)), timeout=datetime.timedelta(seconds=4),
+                           backend="gloo")
+    missing = StepGuard(plan, rank, {0: group}, timeout_s=4, label="probe")
+    t = time.time()
+    if rank != world - 1:
+        try:
+            missing.check(0, 2, 10, 2)
+            res["missing"] = "no error"
+        except DesyncError as e:
+            res["missing"] = str(e)
+    res["missing_seconds"] = time.time() - t
+    return res
+
+
+def stage_worker(hf_path: str, data_dir: str, runs: list[dict], layout: dict) -> None:
+    """Run launcher.stages.mmlu.run once per entry of ``runs``; exit with the last one's code."""
+    from omegaconf import OmegaConf
+
+    from launcher.megatron.dist import init_distributed, shutdown
+    from launcher.stages import mmlu as stage
+    from launcher.stages.context import StageContext, StageFailed
+    from launcher.topology import ParallelDims
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dims = ParallelDims(world_size=world, **layout)
+    init_distributed(dims, "cpu", timeout_s=120, seed=1234)
+    code = 0
+    for r in runs:
+        cfg = OmegaConf.create({
+            "model": {"path": hf_path, "trust_remote_code": False},
+            "stages": {"quantize": {"enabled": False, "dtype": "bfloat16"},
+                       "mmlu": mmlu_cfg(data_dir, parallel=layout, **r["mmlu"])}})
+        ctx = StageContext("mmlu", cfg, r["run_dir"], rank, world, rank, dims, "cpu")
+        try:
+            stage.run(ctx)
+            code = 0
+        except StageFailed as e:
+            print(f"rank {rank}: StageFailed({e.exit_code}): {e}", flush=True)
+            code = e.exit_code
+    shutdown()
+    sys.exit(code)
+
+
+# ----------------------------------------------------------------------------- tests
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mmlu_dist")
+    hf = write_tiny_qwen3_moe(str(root / "hf"), num_layers=2)
+    data = write_fixture_csv(str(root / "mmlu"))
+    return {"hf": hf, "data": data, "root": root}
+
+
+def reference(hf: str, data: str):
+    """transformers, one prompt at a time, no padding: the single-rank unsharded answer."""
+    import torch
+    import transformers
+
+    from launcher.stages.mmlu import load_tokenizer, prepare
+
+    prepared = prepare(mmlu_cfg(data), load_tokenizer(hf))
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    preds, logits = [], []
+    with torch.no_grad():
+        for ids in prepared.token_ids:
+            last = model(torch.tensor([ids])).logits[0, -1, prepared.choice_ids]
+            preds.append(int(last.argmax()))
+            logits.append(last.tolist())
+    return prepared, preds, logits
+
+
+CASES = [
+    {"layout": {"ep": 4}, "dispatcher": "alltoall", "modes": ["balanced", "lockstep", "dense_dp"],
+     "guard_probe": True},
+    {"layout": {"ep": 4}, "dispatcher": "allgather", "modes": ["auto"]},
+    {"layout": {"ep": 2}, "dispatcher": "alltoall", "modes": ["balanced", "lockstep"]},
+    {"layout": {"tp": 2, "ep": 2}, "dispatcher": "alltoall", "modes": ["balanced"]},
+    {"layout": {"pp": 2}, "dispatcher": "alltoall", "modes": ["balanced"]},
+    {"layout": {}, "dispatcher": "alltoall", "modes": ["balanced", "dense_dp"]},
+]
+
+
+@pytest.mark.slow
+def test_modes_and_layouts_match_single_rank(tiny):
+    prepared, ref_preds, ref_logits = reference(tiny["hf"], tiny["data"])
+    n_batches = len(prepared.batches)
+    assert len(prepared.prompts) == 26 and n_batches == 13
+    t = time.time()
+    results = run_on_ranks("test_mmlu_distributed:eval_worker", nprocs=4, timeout_s=420,
+                           kwargs={"hf_path": tiny["hf"], "data_dir": tiny["data"], "cases": CASES})
+    wall = time.time() - t
+    r0 = results[0]
+    evaluated = [k for k, v in r0.items() if k != "guard_probe" and "predictions" in v]
+    assert sorted(evaluated) == sorted([
+        "ep4/balanced/alltoall", "ep4/lockstep/alltoall", "ep4/auto/allgather",
+        "ep2/balanced/alltoall", "ep2/lockstep/alltoall", "tp2_ep2/balanced/alltoall",
+        "pp2/balanced/alltoall", "dp4/balanced/alltoall", "dp4/dense_dp/alltoall"])
+    for key in evaluated:
+        assert r0[key]["predictions"] == ref_preds, key
+        diff = max(abs(a - b) for la, lb in zip(r0[key]["logits"], ref_logits) for a, b in zip(la, lb))
+        assert diff < 1e-4, (key, diff)
+    calls = {k: [r[k]["forward_calls"] for r in results] for k in evaluated}
+    # balanced: 13 batches over 4 DP ranks -> 4 forwards each (one dummy on 3 ranks);
+    # lockstep at EP4: all 13 on every rank
+    assert calls["ep4/balanced/alltoall"] == [4, 4, 4, 4]
+    assert [r["ep4/balanced/alltoall"]["dummies"] for r in results] == [0, 1, 1, 1]
+    assert calls["ep4/lockstep/alltoall"] == [13, 13, 13, 13]
+    assert calls["ep4/auto/allgather"] == [4, 4, 4, 4]
+    assert calls["ep2/balanced/alltoall"] == [4, 4, 3, 3]
+    assert calls["ep2/lockstep/alltoall"] == [7, 7, 6, 6]
+    assert calls["tp2_ep2/balanced/alltoall"] == [7, 7, 6, 6]
+    assert calls["pp2/balanced/alltoall"] == [7, 6, 7, 6]
+    assert calls["dp4/balanced/alltoall"] == [4, 3, 3, 3]
+    assert calls["dp4/dense_dp/alltoall"] == [4, 3, 3, 3]
+    # the seed bug at EP4: the guard stops it at the first forward on every rank, with one message
+    bug = [r["ep4/dense_dp/alltoall"] for r in results]
+    assert [b["exit_code"] for b in bug] == [4, 4, 4, 4]
+    assert all(b["seconds"] < 60 for b in bug), [b["seconds"] for b in bug]
+    msg = bug[0]["error"]
+    assert msg.startswith("mmlu [ep4/dense_dp/alltoall]: desync guard tripped before forward 0 "
+                          "(shard_mode=dense_dp, dispatcher=alltoall): ranks disagree on the number "
+                          "of forward steps. Ranks [0, 1, 2, 3]: "), msg
+    assert "rank 0: step 0/4 steps, shape " in msg and "rank 3: step 0/3 steps, shape " in msg
+    probe = [r["guard_probe"] for r in results]
+    assert all("TP/PP" not in p["shape"] and "the EP group disagree on the padded batch shape"
+               in p["shape"] and "rank 2: step 1/2 steps, shape 2x11" in p["shape"] for p in probe), probe
+    for p in probe[:3]:
+        assert "did not all reach guard call 1" in p["missing"] and "within 4 s" in p["missing"], p
+        assert p["missing_seconds"] < 30
+    print(f"\n4-rank eval run: {wall:.1f} s wall; forward calls per rank: {calls}")
+    print("seconds per mode (rank 0):", {k: round(r0[k]["seconds"], 2) for k in evaluated})
+    print("dense_dp guard error after", [round(b["seconds"], 3) for b in bug], "s")
+
+
+@pytest.mark.slow
+def test_stage_gate_pass_then_fail_exit_codes(tiny):
+    root = tiny["root"]
+    runs = [{"run_dir": str(root / "run_pass"), "mmlu": {"lower_bound": 0.05}},
+            {"run_dir": str(root / "run_fail"), "mmlu": {"lower_bound": 0.99}}]
+    with pytest.raises(RanksFailed) as e:
+        run_on_ranks("test_mmlu_distributed:stage_worker", nprocs=4, timeout_s=300,
+                     kwargs={"hf_path": tiny["hf"], "data_dir": tiny["data"], "runs": runs,
+                             "layout": {"ep": 4}})
+    assert e.value.returncodes == [3, 3, 3, 3], str(e.value)[-3000:]
+    for out in e.value.outputs:
+        assert "StageFailed(3): MMLU gate failed: accuracy " in out and "< lower_bound 0.99" in out
+    _, ref_preds, _ = reference(tiny["hf"], tiny["data"])
+    for name, passed in (("run_pass", True), ("run_fail", False)):
+        with open(root / name / "mmlu" / "results.json") as f:
+            doc = json.load(f)
+        assert doc["pass"] is passed
+        assert doc["n"] == 26 and doc["shard_mode"] == "balanced"
+        assert [q["prediction"] for q in doc["questions"]] == ["ABCD"[p] for p in ref_preds]
+        assert doc["correct"] == sum(q["correct"] for q in doc["questions"])
+        assert doc["plan"]["forward_calls_per_rank"] == [4, 4, 4, 4]
+        assert sorted(doc["per_subject"]) == sorted(SUBJECTS)
+        assert set(doc["questions"][0]) >= {"index", "subject", "answer", "prediction", "logits"}
+        assert len(doc["questions"][0]["logits"]) == 4
+        lo, hi = doc["interval"]
+        assert lo <= doc["accuracy"] <= hi

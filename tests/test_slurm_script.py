@@ -1,0 +1,147 @@
+"""Golden-file tests of the sbatch renderer and the scontrol parser (pure, no Slurm needed).
+
+Regenerate the goldens after an intended change with
+    UPDATE_GOLDEN=1 .venv/bin/python -m pytest tests/test_slurm_script.py
+and review the diff of tests/golden/*.sbatch.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+from omegaconf import OmegaConf
+
+from launcher.config.schema import SlurmExecutorConfig
+from launcher.executors.base import StagePlan
+from launcher.executors.slurm_script import ScriptError, dependency_spec, render_sbatch, split_secret_env
+from launcher.executors.slurm_state import (
+    job_info,
+    parse_sbatch_parsable,
+    parse_scontrol_jobs,
+    parse_scontrol_line,
+)
+
+GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
+RUN_DIR = "/runs/tiny_moe/20261202-101500"
+
+
+def _cfg(**kv):
+    cfg = OmegaConf.structured(SlurmExecutorConfig)
+    for k, v in kv.items():
+        OmegaConf.update(cfg, k, v, merge=False)
+    return cfg
+
+
+def _plan(name="quantize", world=4, env=None, allow_to_fail=False):
+    return StagePlan(name=name, world_size=world,
+                     argv=["python", "-m", "launcher.worker", name, RUN_DIR],
+                     env=dict(env or {}), log_path=f"{RUN_DIR}/{name}/log.txt", allow_to_fail=allow_to_fail)
+
+
+CASES = {
+    # schema defaults: one node, CPU, no container, fixed port 29500
+    "defaults_4ranks": (_plan(), _cfg()),
+    # everything set: 2 nodes x 8 GPUs, container + mounts, setup lines, env incl. a secret, derived port
+    "full_2nodes_container": (
+        _plan("mmlu", 16, env={"HF_HOME": "/lustre/hf cache", "HF_TOKEN": "hf_do_not_write"}),
+        _cfg(partition="batch", account="llm_ptq", qos="high", time="04:00:00", nodes=2, gpus_per_node=8,
+             cpus_per_task=16, mem="0", container_image="nvcr.io/nvidia/nemo:25.09",
+             container_mounts=["/lustre:/lustre", "/home/me/ckpt:/ckpt"],
+             setup=["module load cuda/12.8", "source /opt/env.sh"], python="/usr/bin/python3",
+             env={"NCCL_DEBUG": "WARN", "WANDB_API_KEY": "x"}, master_port=0, omp_num_threads=4),
+    ),
+    # a stage that may fail, one rank, plain minutes as the limit
+    "export_1rank": (_plan("export", 1, allow_to_fail=True), _cfg(time="30", partition="debug")),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_golden(case):
+    plan, cfg = CASES[case]
+    text = render_sbatch(plan, cfg, RUN_DIR)
+    path = os.path.join(GOLDEN, f"{case}.sbatch")
+    if os.environ.get("UPDATE_GOLDEN"):
+        os.makedirs(GOLDEN, exist_ok=True)
+        with open(path, "w") as f:
+            f.write(text)
+    assert os.path.exists(path), f"missing golden {path}: run with UPDATE_GOLDEN=1"
+    with open(path) as f:
+        assert text == f.read(), f"{case}: rendered script differs from {path} (UPDATE_GOLDEN=1 to accept)"
+
+
+def test_secrets_not_written():
+    plan, cfg = CASES["full_2nodes_container"]
+    text = render_sbatch(plan, cfg, RUN_DIR)
+    assert "hf_do_not_write" not in text and "WANDB_API_KEY=" not in text
+    public, secret = split_secret_env({"HF_TOKEN": "a", "HF_HOME": "b", "AWS_SECRET_ACCESS_KEY": "c"})
+    assert public == {"HF_HOME": "b"} and set(secret) == {"HF_TOKEN", "AWS_SECRET_ACCESS_KEY"}
+
+
+def test_render_is_pure():
+    plan, cfg = CASES["full_2nodes_container"]
+    assert render_sbatch(plan, cfg, RUN_DIR) == render_sbatch(plan, cfg, RUN_DIR)
+
+
+@pytest.mark.parametrize("kv,plan,match", [
+    ({"nodes": 3}, _plan(world=4), r"world size 4 does not split evenly over executor.nodes=3; valid node counts: \[1, 2, 4\]"),
+    ({"time": "1h"}, _plan(), r"executor.time='1h'"),
+    ({"env": {"BAD-NAME": "1"}}, _plan(), r"not a valid environment variable name"),
+])
+def test_errors_name_the_key(kv, plan, match):
+    with pytest.raises(ScriptError, match=match):
+        render_sbatch(plan, _cfg(**kv), RUN_DIR)
+
+
+def test_dependency_spec():
+    names = ["quantize", "mmlu", "export", "vllm_smoke"]
+    ids = ["11", "12", "13", "14"]
+    plans = [_plan(n) for n in names]
+    assert [dependency_spec(i, plans, ids) for i in range(4)] == [None, "afterok:11", "afterok:12", "afterok:13"]
+    # mmlu may fail: export runs after it ends any way, but only if quantize succeeded
+    plans[1].allow_to_fail = True
+    assert dependency_spec(2, plans, ids) == "afterany:12,afterok:11"
+    # two tolerant stages in a row still anchor on the last strict one
+    plans[2].allow_to_fail = True
+    assert dependency_spec(3, plans, ids) == "afterany:13,afterok:11"
+    # everything tolerant: plain afterany chain
+    for p in plans:
+        p.allow_to_fail = True
+    assert dependency_spec(3, plans, ids) == "afterany:13"
+
+
+# captured from slurm-wlm 22.05.8 on this machine (notes/local-slurm.md)
+SCONTROL_FAILED = (
+    "JobId=46218307 JobName=a.sh UserId=root(0) GroupId=root(0) MCS_label=N/A Priority=4294901759 Nice=0 "
+    "Account=(null) QOS=(null) JobState=FAILED Reason=NonZeroExitCode Dependency=(null) Requeue=1 Restarts=0 "
+    "BatchFlag=1 Reboot=0 ExitCode=3:0 RunTime=00:00:00 TimeLimit=UNLIMITED TimeMin=N/A "
+    "SubmitTime=2026-12-02T13:15:11 EligibleTime=2026-12-02T13:15:11 AccrueTime=2026-12-02T13:15:11 "
+    "StartTime=2026-12-02T13:15:14 EndTime=2026-12-02T13:15:14 Deadline=N/A Partition=debug "
+    "AllocNode:Sid=localhost:3447 NodeList=localhost BatchHost=localhost NumNodes=1 NumCPUs=4 NumTasks=4 "
+    "CPUs/Task=1 ReqB:S:C:T=0:0:*:* TRES=cpu=4,node=1,billing=4 Socks/Node=* NtasksPerN:B:S:C=0:0:*:* "
+    "Command=/tmp/my dir/a.sh WorkDir=/tmp StdErr=/tmp/sx/a-46218307.out StdIn=/dev/null "
+    "StdOut=/tmp/sx/a-46218307.out Power= ")
+SCONTROL_NEVER = (
+    "JobId=46218308 JobName=wrap UserId=root(0) GroupId=root(0) JobState=PENDING "
+    "Reason=DependencyNeverSatisfied Dependency=afterok:46218307(failed) ExitCode=0:0 RunTime=00:00:00 "
+    "TimeLimit=UNLIMITED StartTime=Unknown EndTime=Unknown NodeList= ")
+
+
+def test_parse_scontrol():
+    fields = parse_scontrol_line(SCONTROL_FAILED)
+    assert fields["Command"] == "/tmp/my dir/a.sh"          # value with a space
+    assert fields["TRES"] == "cpu=4,node=1,billing=4"       # value with '='
+    assert fields["Power"] == ""
+    info = job_info(fields)
+    assert (info.state, info.reason, info.exit_code, info.signal) == ("FAILED", "NonZeroExitCode", 3, 0)
+    assert info.final and not info.never_satisfied and info.node_list == "localhost"
+    jobs = parse_scontrol_jobs(SCONTROL_FAILED + "\n" + SCONTROL_NEVER + "\n")
+    assert set(jobs) == {"46218307", "46218308"}
+    never = job_info(jobs["46218308"])
+    assert never.never_satisfied and not never.final and never.start_time is None and never.node_list is None
+
+
+def test_parse_sbatch():
+    assert parse_sbatch_parsable("1234\n") == "1234"
+    assert parse_sbatch_parsable("1234;localci\n") == "1234"
+    with pytest.raises(ValueError):
+        parse_sbatch_parsable("sbatch: error: oops")
