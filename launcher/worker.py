@@ -13,6 +13,9 @@ import sys
 import time
 import traceback
 
+# Stages whose ranks need no torch.distributed / Megatron (vLLM runs out of process).
+STAGES_WITHOUT_MEGATRON = frozenset({"vllm_smoke"})
+
 
 def _env_int(*names: str, default: int | None = None) -> int:
     for n in names:
@@ -52,8 +55,7 @@ def main(argv: list[str]) -> int:
     from omegaconf import OmegaConf
 
     from launcher.config.validate import stage_dims
-    from launcher.rundir import write_manifest
-    from launcher.stages.context import EXIT_FAILED, EXIT_PREFLIGHT, StageContext, StageFailed
+    from launcher.stages.context import EXIT_PREFLIGHT, StageContext
 
     cfg = OmegaConf.load(os.path.join(run_dir, "config.yaml"))
     dims = stage_dims(cfg, stage)
@@ -67,6 +69,8 @@ def main(argv: list[str]) -> int:
     ctx = StageContext(name=stage, cfg=cfg, run_dir=run_dir, rank=rank, world_size=world,
                        local_rank=local_rank, dims=dims, device=device)
     t0 = time.time()
+    if stage in STAGES_WITHOUT_MEGATRON:
+        return _run_stage(stage, ctx, cfg, run_dir, rank, world, device, t0, shutdown=None)
     from launcher.megatron import dist as mdist
     from launcher.preflight import PreflightError, run_preflight
 
@@ -79,6 +83,15 @@ def main(argv: list[str]) -> int:
         return EXIT_PREFLIGHT
     if preflight_only:
         mdist.shutdown()
+        return 0
+    return _run_stage(stage, ctx, cfg, run_dir, rank, world, device, t0, shutdown=mdist.shutdown)
+
+
+def _run_stage(stage, ctx, cfg, run_dir, rank, world, device, t0, shutdown) -> int:
+    from launcher.rundir import write_manifest
+    from launcher.stages.context import EXIT_FAILED, StageFailed
+
+    if "--preflight-only" in sys.argv:
         return 0
     try:
         module = importlib.import_module(f"launcher.stages.{stage}")
@@ -93,7 +106,8 @@ def main(argv: list[str]) -> int:
         write_manifest(run_dir, cfg, stage, {"duration_s": round(time.time() - t0, 2), "world_size": world,
                                              "device": device})
     try:
-        mdist.shutdown()
+        if shutdown is not None:
+            shutdown()
     except Exception:  # noqa: BLE001 - shutting down after success must not fail the stage
         pass
     ctx.log(f"done in {time.time() - t0:.1f}s")

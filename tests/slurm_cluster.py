@@ -267,6 +267,21 @@ class SlurmCluster:
             OmegaConf.update(cfg, k, v, merge=False)
         return cfg
 
+    def launch_overrides(self, **extra: Any) -> list[str]:
+        """Hydra overrides that point `launch CONFIG ...` at this cluster (same values as
+        ``executor_config``), for the end-to-end test through the CLI::
+
+            rc = launcher.cli.main([example, *slurm_cluster.launch_overrides(), f"runs_root={tmp}"])
+
+        SLURM_CONF is already exported by the fixture, so `launch` and its sbatch find the cluster.
+        """
+        repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        out = ["executor=slurm", "executor.partition=debug", "executor.time=00:10:00",
+               f"executor.python={sys.executable}", f"++executor.env.PYTHONPATH={repo}",
+               "executor.master_port=0", "executor.poll_interval_s=0.5"]
+        out += [f"executor.{k}={v}" for k, v in extra.items()]
+        return out
+
     def run_plans(self, plans: list, run_dir: str, timeout_s: float = 300, echo: Any = None,
                   **cfg_overrides: Any) -> tuple[dict[str, str], list[tuple[str, str, dict]]]:
         """Submit ``plans`` through ``SlurmExecutor`` and follow them to the end.

@@ -202,6 +202,7 @@ class SlurmExecutor:
         so) and reported CANCELLED with reason DependencyNeverSatisfied.  With ``timeout_s`` a
         TimeoutError is raised when it passes (the caller decides whether to cancel).
         """
+        _tool("scontrol")   # a missing client is an error now, not a "controller down" to wait out
         record = self._load_record()
         by_id = {s["job_id"]: name for name, s in record["stages"].items()}
         stage_of = {jid: by_id.get(jid, jid) for jid in job_ids}
@@ -274,6 +275,20 @@ class SlurmExecutor:
             self.echo(line)
         return offset + end + 1
 
+    def job_info(self, stage: str) -> dict:
+        """The last known info of ``stage``'s job (job_id, state, reason, exit_code, signal, times):
+        recorded by ``follow`` when it ended, else live from scontrol; {} if the stage was not submitted."""
+        record = self._load_record()
+        st = record["stages"].get(stage)
+        if st is None:
+            return {}
+        if st.get("final_info"):
+            return {"stage": stage, **st["final_info"]}
+        info = query_jobs([st["job_id"]]).get(st["job_id"])
+        if info is None:
+            return {"stage": stage, "job_id": st["job_id"], "state": UNKNOWN}
+        return {"stage": stage, **info.as_dict()}
+
     # ------------------------------------------------------------------ cancel / status
     def cancel(self, job_ids: Sequence[str]) -> None:
         """scancel the jobs (Ctrl-C in `launch`); jobs that already ended are left as they are."""
@@ -291,7 +306,11 @@ class SlurmExecutor:
             record = json.load(f)
         order = record.get("order") or list(record["stages"])
         ids = [record["stages"][s]["job_id"] for s in order]
-        live = query_jobs(ids)
+        note = "job no longer known to slurmctld and not recorded as finished"
+        try:
+            live = query_jobs(ids)
+        except SlurmError as e:   # no client here, or the controller is down: report what was recorded
+            live, note = {}, f"Slurm not reachable ({e})"
         out: dict[str, dict] = {}
         for stage, jid in zip(order, ids):
             info = live.get(jid)
@@ -300,8 +319,7 @@ class SlurmExecutor:
             elif record["stages"][stage].get("final_info"):
                 out[stage] = {"stage": stage, **record["stages"][stage]["final_info"]}
             else:
-                out[stage] = {"stage": stage, "job_id": jid, "state": UNKNOWN,
-                              "reason": "job no longer known to slurmctld and not recorded as finished"}
+                out[stage] = {"stage": stage, "job_id": jid, "state": UNKNOWN, "reason": note}
         return out
 
     @staticmethod

@@ -4,7 +4,7 @@
   bit (the source cast to the export's dtype when they differ; the cast is reported).
 * ``quantized_vs_source``: dequantized sampled weights vs the source's high-precision weights;
   a relative error above ``SOURCE_REL_ERR_MAX`` means the wrong weights went into that tensor
-  (a mis-mapped expert has relative error ~1.4; honest NVFP4 rounding ~0.1).
+  (a mis-mapped expert has relative error ~1.4; honest NVFP4 rounding ~0.1, FP8 ~0.02).
 * ``compare_references``: dequantized weights vs references computed from the in-memory
   Megatron model (``megatron_ref``), compared in the reference's dtype; equal within
   ``reference_tolerance`` (fp32: 0 - bit-exact on CPU, see ``REFERENCE_REL_TOL``).
@@ -19,7 +19,7 @@ from launcher.export.safetensors_dir import TensorInfo, load_tensors
 from launcher.export.verify_layout import Findings
 
 # Max relative Frobenius error of dequantized weights vs the source high-precision weights.
-SOURCE_REL_ERR_MAX = {"nvfp4": 0.35, "fp8": 0.08}
+SOURCE_REL_ERR_MAX = {"nvfp4": 0.25, "fp8": 0.08}
 # |dequantized - reference| <= REFERENCE_REL_TOL[dtype] * max|reference|.  fp32 on CPU: bit-exact
 # in practice (both sides run ModelOpt's NVFP4QTensor arithmetic); the bound allows the GPU
 # kernel's different fp32 operation order.  bf16/fp16: one unit in the last place.
@@ -49,7 +49,8 @@ def sample_modules(modules: list[str], per_kind: int) -> dict[str, list[str]]:
     for kind, names in by_kind.items():
         n = min(per_kind, len(names))
         step = len(names) / n if n else 1
-        out[kind] = [names[int(i * step + step / 2)] for i in range(n)]
+        # offset by i so that consecutive picks rotate through a module's siblings (q/k/v, gate/up/down)
+        out[kind] = sorted({names[min(len(names) - 1, int(i * step) + i % max(int(step), 1))] for i in range(n)})
     return out
 
 

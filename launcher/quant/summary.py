@@ -111,19 +111,20 @@ def describe_quantizers(model) -> list[dict[str, Any]]:
     return rows
 
 
-def expert_linears(model) -> list[str]:
-    """Global names of this rank's expert linear modules (whether or not they were quantized)."""
+def weight_modules(model) -> dict[str, str]:
+    """Global name -> kind of this rank's modules that own a 2-D ``weight`` (linears, router,
+    embedding, output layer), quantized or not: the denominator of the summary."""
     import torch
 
     from launcher.megatron.models import unwrap_model
 
     inner = unwrap_model(model)
     maps = _global_index_maps(inner)
-    out = []
+    out = {}
     for name, module in inner.named_modules():
-        if module_kind(name) == "experts" and re.search(r"linear_fc\d$", name) and \
-                any(isinstance(p, torch.nn.Parameter) for p in module.parameters(recurse=False)):
-            out.append(_globalize(name, maps))
+        weight = module._parameters.get("weight") if hasattr(module, "_parameters") else None
+        if isinstance(weight, torch.nn.Parameter) and weight.dim() == 2:
+            out[_globalize(name, maps)] = module_kind(name)
     return out
 
 
@@ -131,38 +132,44 @@ def gather_summary(model) -> dict[str, Any]:
     """Merge every rank's quantizers (collective: all ranks call); same result on every rank."""
     import torch.distributed as dist
 
-    local = {"quantizers": describe_quantizers(model), "expert_linears": expert_linears(model)}
+    local = {"quantizers": describe_quantizers(model), "weight_modules": weight_modules(model)}
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, local)
     quantizers: dict[str, dict] = {}
-    experts: set[str] = set()
+    modules: dict[str, str] = {}
     for part in gathered:
         for row in part["quantizers"]:
             quantizers.setdefault(row["name"], row)   # TP/DP replicas describe the same quantizer
-        experts.update(part["expert_linears"])
-    return summarize(list(quantizers.values()), sorted(experts))
+        modules.update(part["weight_modules"])
+    return summarize(list(quantizers.values()), modules)
 
 
-def summarize(quantizers: list[dict[str, Any]], expert_linear_names: list[str]) -> dict[str, Any]:
+def summarize(quantizers: list[dict[str, Any]], modules: dict[str, str]) -> dict[str, Any]:
+    """Counts per format and per module kind; ``modules`` maps weight-module names to kinds."""
     enabled = [q for q in quantizers if q["enabled"]]
+    weight_quantized = {q["module"] for q in enabled if q["role"] == "weight"}
     by_format = Counter(q["format"] for q in enabled)
     by_kind: dict[str, dict[str, int]] = {}
+    for name, kind in modules.items():
+        entry = by_kind.setdefault(kind, {"modules": 0, "weight_quantized": 0, "quantizers": 0, "enabled": 0})
+        entry["modules"] += 1
+        entry["weight_quantized"] += int(name in weight_quantized)
     for q in quantizers:
-        entry = by_kind.setdefault(q["kind"], {"total": 0, "enabled": 0})
-        entry["total"] += 1
+        entry = by_kind.setdefault(q["kind"], {"modules": 0, "weight_quantized": 0, "quantizers": 0, "enabled": 0})
+        entry["quantizers"] += 1
         entry["enabled"] += int(q["enabled"])
         if q["enabled"]:
             key = f"{q['role']}:{q['format']}"
             entry[key] = entry.get(key, 0) + 1
-    weight_q = {q["module"] for q in enabled if q["role"] == "weight"}
-    unquantized_experts = [m for m in expert_linear_names if m not in weight_q]
+    experts = sorted(n for n, k in modules.items() if k == "experts")
+    unquantized_experts = [m for m in experts if m not in weight_quantized]
     return {
         "quantizers_total": len(quantizers),
         "quantizers_enabled": len(enabled),
         "enabled_by_format": dict(sorted(by_format.items())),
         "by_module_kind": dict(sorted(by_kind.items())),
-        "expert_linears": len(expert_linear_names),
-        "expert_linears_weight_quantized": len(expert_linear_names) - len(unquantized_experts),
+        "expert_linears": len(experts),
+        "expert_linears_weight_quantized": len(experts) - len(unquantized_experts),
         "unquantized_expert_linears": unquantized_experts,
     }
 

@@ -48,6 +48,7 @@ class Recipe:
     max_shots: int = 5
     few_shot_fraction: float = 0.25
     router_aux_loss_coef: float = 0.01
+    lm_loss_weight: float = 1.0     # next-token loss on every other token (teaches the facts)
     threads: int = 1
     min_accuracy: float = 0.9
 
@@ -153,14 +154,19 @@ def train(model, tokenizer, task: TaskGenerator, recipe: Recipe,
         pos = torch.tensor([t[1] for t in targets])
         tgt = torch.tensor([t[2] for t in targets])
         loss = F.cross_entropy(out.logits[rows, pos], tgt)
-        total = loss + (recipe.router_aux_loss_coef * out.aux_loss if out.aux_loss is not None else 0.0)
+        total = loss
+        if recipe.lm_loss_weight > 0:
+            labels = input_ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
+            lm = F.cross_entropy(out.logits[:, :-1].reshape(-1, out.logits.shape[-1]), labels.reshape(-1))
+            total = total + recipe.lm_loss_weight * lm
+        total = total + (recipe.router_aux_loss_coef * out.aux_loss if out.aux_loss is not None else 0.0)
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
         opt.zero_grad(set_to_none=True)
         total.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
         if step % every == 0 or step == recipe.steps - 1:
             recent = losses[-every:]
             log(f"[tiny] step {step + 1:4d}/{recipe.steps}  loss {sum(recent) / len(recent):.4f}  "

@@ -109,6 +109,9 @@ class GroupProcess:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             pass
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in targets) and time.monotonic() < deadline:
+            time.sleep(0.1)
         self._log.close()
         _LIVE.discard(self)
         return killed

@@ -1,0 +1,185 @@
+"""Export stage: quantize/checkpoint -> HF unified checkpoint at export/<name>, verified.
+
+Every rank builds its PP stage at the export degrees (config validation guarantees tp=1, ep=1:
+ModelOpt's export corrupts otherwise), loads ``<run>/quantize/checkpoint`` (ModelOpt state +
+weights, saved at any layout) - or imports the HF weights when stages.quantize is disabled -
+and ModelOpt writes the checkpoint into ``export/<name>.tmp-export``.  Every rank then compares
+the exported weights of its sampled linears with the fake-quantized weights of its in-memory
+model; rank 0 runs ``launcher.export.verify.verify_export`` over the whole directory.  Only a
+verified export is renamed to ``export/<name>``; a failed one is kept as ``<name>.rejected`` for
+inspection, verify.json says why, and the stage fails on every rank with the first problems.
+An existing export/<name> is never replaced unless stages.export.overwrite is true.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import time
+
+from launcher.stages.context import StageContext, StageFailed, write_json_atomic
+
+TMP_SUFFIX = ".tmp-export"
+REJECTED_SUFFIX = ".rejected"
+MAX_ERRORS_IN_MESSAGE = 5
+
+
+def _broadcast(value):
+    import torch.distributed as dist
+
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _gather(value) -> list:
+    import torch.distributed as dist
+
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def _on_rank0(ctx: StageContext, fn):
+    """Run ``fn`` on rank 0; every rank gets (result, error message) - no rank is left hanging."""
+    result, error = None, None
+    if ctx.rank == 0:
+        try:
+            result = fn()
+        except Exception as e:  # noqa: BLE001 - shared with every rank, then raised there
+            error = f"{type(e).__name__}: {e}"
+    return _broadcast((result, error))
+
+
+def _references(ctx: StageContext, model, fmt: str, export_dir: str) -> tuple[list, set]:
+    """(this rank's dequant-vs-Megatron results, HF names of modules it quantized)."""
+    from megatron.core import parallel_state as ps
+
+    from launcher.export.megatron_ref import (
+        fake_quantized_references, linear_modules, quantized_hf_modules, select_samples)
+    from launcher.export.verify_values import compare_references
+
+    linears = linear_modules(model)
+    quantized = quantized_hf_modules(model)
+    if ps.get_data_parallel_rank() != 0:  # DP replicas hold the same layers: one compares
+        return [], quantized
+    card = ctx.cfg.model
+    chosen = select_samples(linears, int(ctx.stage_cfg.verify_samples), int(card.num_layers),
+                            int(card.num_experts or 0))
+    try:
+        return compare_references(export_dir, fake_quantized_references(chosen), fmt), quantized
+    except Exception as e:  # noqa: BLE001 - becomes a verification error, not a hang
+        return [{"module": f"rank {ctx.rank} references", "kind": "error",
+                 "error": f"rank {ctx.rank}: comparing with the Megatron model failed: {type(e).__name__}: {e}"}], quantized
+
+
+def _load_weights(ctx: StageContext, model) -> str:
+    from launcher.megatron.checkpoint import load_checkpoint
+    from launcher.megatron.hf_io import import_hf_weights
+
+    cfg = ctx.cfg
+    if cfg.stages.quantize.enabled:
+        path = ctx.path("quantize", "checkpoint")
+        if not os.path.isdir(path):
+            raise StageFailed(f"{path} does not exist: run stages.quantize first (or disable it to export "
+                              f"the HF weights with recipe none)")
+        marker = load_checkpoint(model, path)
+        return f"quantize checkpoint {path} (saved at {marker.get('saved_at_layout')})"
+    import_hf_weights(model, cfg.model.path, ctx.stage_cfg.dtype)
+    return f"HF weights {cfg.model.path} (stages.quantize disabled)"
+
+
+def _verify(ctx: StageContext, tmp: str, fmt: str, expected_dtype: str, results: list, quantized: set) -> dict:
+    from launcher.export.verify import verify_export
+
+    cfg = ctx.cfg
+    return verify_export(
+        tmp, fmt, source_dir=cfg.model.path, num_layers=int(cfg.model.num_layers),
+        num_experts=int(cfg.model.num_experts or 0), expected_dtype=expected_dtype,
+        quantized_modules=quantized, quantize_experts=bool(cfg.recipe.quantize_experts) and fmt != "none",
+        reference_results=results, samples=int(ctx.stage_cfg.verify_samples))
+
+
+def _publish(tmp: str, final: str, ok: bool, overwrite: bool) -> str:
+    target = final if ok else final + REJECTED_SUFFIX
+    if os.path.exists(target):
+        if ok and not overwrite:
+            raise StageFailed(f"{final} appeared during the export; refusing to overwrite it")
+        shutil.rmtree(target)
+    os.replace(tmp, target)
+    return target
+
+
+def run(ctx: StageContext) -> None:
+    from launcher.megatron.hf_io import export_hf
+    from launcher.megatron.models import build_model, resolve_dtype
+
+    cfg, stage = ctx.cfg, ctx.stage_cfg
+    fmt = str(cfg.recipe.format)
+    final = ctx.path("export", stage.name)
+    tmp = final + TMP_SUFFIX
+    if ctx.dims.tp != 1 or ctx.dims.ep != 1 or ctx.dims.etp != 1:
+        raise StageFailed(f"export needs tp=1 ep=1 etp=1, got {ctx.dims.describe()} (config validation refuses this)")
+    exists = _broadcast(os.path.exists(final) if ctx.rank == 0 else None)
+    if exists and not stage.overwrite:
+        raise StageFailed(f"{final} exists; refusing to overwrite it (set stages.export.overwrite=true)")
+    _, err = _on_rank0(ctx, lambda: (shutil.rmtree(tmp, ignore_errors=True), os.makedirs(tmp)))
+    if err:
+        raise StageFailed(f"cannot create {tmp}: {err}")
+    timings = {}
+
+    t = time.time()
+    model = build_model(cfg.model.path, ctx.dims, ctx.device, stage.dtype, "alltoall", cfg.model.trust_remote_code)
+    loaded_from = _load_weights(ctx, model)
+    timings["build_and_load_s"] = round(time.time() - t, 2)
+    ctx.log(f"loaded {loaded_from} at {ctx.dims.describe()} in {timings['build_and_load_s']} s")
+
+    t = time.time()
+    try:
+        export_hf(model, cfg.model.path, tmp, stage.dtype)
+    except RuntimeError as e:  # ModelOpt's own self-check ("Export dropped N tensor(s) ...")
+        raise StageFailed(f"ModelOpt export failed: {e}") from e
+    timings["export_s"] = round(time.time() - t, 2)
+    ctx.log(f"ModelOpt wrote {tmp} in {timings['export_s']} s")
+
+    if not stage.verify:
+        ctx.warn("stages.export.verify=false: publishing an UNVERIFIED export")
+        _, err = _on_rank0(ctx, lambda: (_publish(tmp, final, True, stage.overwrite), write_json_atomic(
+            ctx.path("export", "verify.json"), {"ok": None, "skipped": "stages.export.verify=false",
+                                                "export_dir": final, "timings": timings})))
+        if err:
+            raise StageFailed(err)
+        return
+
+    t = time.time()
+    expected_dtype = str(resolve_dtype(stage.dtype, ctx.device)).replace("torch.", "")
+    results, quantized = _references(ctx, model, fmt, tmp)
+    gathered = _gather((results, sorted(quantized)))
+    all_results = [r for rank_results, _ in gathered for r in rank_results]
+    all_quantized = {n for _, names in gathered for n in names}
+
+    def verify_and_publish():
+        try:
+            report = _verify(ctx, tmp, fmt, expected_dtype, all_results, all_quantized)
+        except Exception as e:  # noqa: BLE001 - a verifier crash is a failed verification
+            report = {"ok": False, "errors": [f"verification crashed: {type(e).__name__}: {e}"]}
+        timings["verify_s"] = round(time.time() - t, 2)
+        report.update(loaded_from=loaded_from, layout=ctx.dims.describe(), recipe=cfg.recipe.name,
+                      timings=timings)
+        report["export_dir"] = _publish(tmp, final, bool(report["ok"]), bool(stage.overwrite))
+        write_json_atomic(ctx.path("export", "verify.json"), report)
+        return {"ok": report["ok"], "errors": report["errors"], "export_dir": report["export_dir"],
+                "size": report.get("size")}
+
+    summary, err = _on_rank0(ctx, verify_and_publish)
+    if err:
+        raise StageFailed(f"export verification could not complete: {err}")
+    if not summary["ok"]:
+        errors = summary["errors"]
+        more = f" (and {len(errors) - MAX_ERRORS_IN_MESSAGE} more)" if len(errors) > MAX_ERRORS_IN_MESSAGE else ""
+        raise StageFailed(f"export verification failed, {len(errors)} problem(s): "
+                          + "; ".join(errors[:MAX_ERRORS_IN_MESSAGE]) + more
+                          + f". Rejected export kept at {summary['export_dir']}; details in "
+                          + ctx.path("export", "verify.json"))
+    size = summary.get("size") or {}
+    ctx.log(f"verified {summary['export_dir']}: {size.get('export_bytes')} bytes = "
+            f"{size.get('ratio_vs_bf16')} x bf16")

@@ -1,0 +1,202 @@
+"""Build (or reuse) the tiny Qwen3-MoE model, its MMLU-format task and calibration text.
+
+Layout of a build directory (default `<cache_dir()>/tiny/Qwen3-MoE-tiny/`):
+
+    hf/           HF checkpoint (config.json, model.safetensors, fp32) + tokenizer files
+    mmlu/         test.jsonl, dev.jsonl (cais/mmlu schema) and data/{test,dev}/<subject>_<split>.csv
+    calib.jsonl   {"text": ...} lines from the same corpus
+    build.json    recipe, recipe hash, seed, measured accuracy, train time, versions
+
+A build is reused when build.json's recipe hash equals the current one (the hash covers every
+recipe field, this package's source code and the torch/transformers versions).  Builds run
+under an fcntl lock next to the directory, into a temporary sibling that is renamed into
+place, so concurrent callers build once and nobody ever sees a half-built directory.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import hashlib
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Iterator
+
+from launcher.tiny.train import Recipe
+
+MODEL_NAME = "Qwen3-MoE-tiny"
+BUILD_VERSION = "tiny-build-1"
+_SOURCES = ("synthetic_mmlu.py", "tokenizer.py", "train.py", "build.py")
+
+Log = Callable[[str], None]
+
+
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def recipe_hash(recipe: Recipe) -> str:
+    import torch
+    import transformers
+
+    h = hashlib.sha256()
+    h.update(BUILD_VERSION.encode())
+    h.update(json.dumps(dataclasses.asdict(recipe), sort_keys=True).encode())
+    h.update(f"torch={torch.__version__} transformers={transformers.__version__}".encode())
+    here = Path(__file__).resolve().parent
+    for name in _SOURCES:
+        h.update(name.encode())
+        h.update((here / name).read_bytes())
+    return h.hexdigest()[:16]
+
+
+def default_dir(cache_root: str | os.PathLike | None = None) -> Path:
+    if cache_root is None:
+        from launcher.config.compose import cache_dir
+        cache_root = cache_dir()
+    return Path(cache_root).resolve() / "tiny" / MODEL_NAME
+
+
+def read_build_info(out_dir: str | os.PathLike) -> dict | None:
+    try:
+        with open(Path(out_dir) / "build.json", encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def is_current(out_dir: str | os.PathLike, recipe: Recipe) -> bool:
+    info = read_build_info(out_dir)
+    return (info is not None and info.get("recipe_hash") == recipe_hash(recipe)
+            and (Path(out_dir) / "hf" / "model.safetensors").is_file())
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def ensure_tiny_model(cache_root: str | os.PathLike | None = None, *, out_dir: str | os.PathLike | None = None,
+                      recipe: Recipe | None = None, force: bool = False, log: Log = _stderr) -> Path:
+    """Return the tiny model's build directory, building it first unless a current build exists.
+
+    `cache_root` defaults to launcher.config.compose.cache_dir(); `out_dir` overrides the whole
+    path (then `cache_root` must be None).
+    """
+    if out_dir is not None and cache_root is not None:
+        raise ValueError("give cache_root or out_dir, not both")
+    recipe = recipe or Recipe()
+    target = Path(out_dir).resolve() if out_dir is not None else default_dir(cache_root)
+    if target.exists() and not target.is_dir():
+        raise ValueError(f"{target} exists and is not a directory")
+    if not force and is_current(target, recipe):
+        return target
+    with _locked(target.parent / f".{target.name}.lock"):
+        if not force and is_current(target, recipe):   # another process built it meanwhile
+            return target
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+        try:
+            build_into(tmp, recipe, log)
+            old = None
+            if target.exists():
+                old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+                os.rename(target, old / "d")
+            os.rename(tmp, target)
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def build_into(out: Path, recipe: Recipe, log: Log = _stderr) -> dict:
+    """Build everything into the (empty) directory `out`; returns what it writes to build.json."""
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3MoeForCausalLM
+
+    from launcher.tiny import synthetic_mmlu as sm
+    from launcher.tiny.tokenizer import train_tokenizer
+    from launcher.tiny.train import make_config, score, train
+
+    t0 = time.perf_counter()
+    threads = torch.get_num_threads()
+    det = torch.are_deterministic_algorithms_enabled()
+    torch.set_num_threads(recipe.threads)
+    torch.use_deterministic_algorithms(True)
+    try:
+        torch.manual_seed(recipe.seed)
+        task = sm.TaskGenerator(recipe.seed, recipe.n_test, recipe.n_dev_per_subject, recipe.n_invented)
+        tokenizer = train_tokenizer(task.corpus(recipe.tokenizer_corpus_prompts), recipe.tokenizer_vocab)
+        calib = task.corpus(recipe.n_calib)[-recipe.n_calib:]
+        # Fresh generator: the training stream must not depend on how much text came before.
+        task = sm.TaskGenerator(recipe.seed, recipe.n_test, recipe.n_dev_per_subject, recipe.n_invented)
+        config = make_config(recipe, tokenizer)
+        torch.manual_seed(recipe.seed)
+        model = Qwen3MoeForCausalLM(config)
+        log(f"[tiny] building {MODEL_NAME} in {out}: {sum(p.numel() for p in model.parameters()):,} params, "
+            f"{recipe.steps} steps x {recipe.batch_size}")
+        t_train = time.perf_counter()
+        losses = train(model, tokenizer, task, recipe, log)
+        train_s = time.perf_counter() - t_train
+
+        hf = out / "hf"
+        model.save_pretrained(hf)
+        tokenizer.save_pretrained(hf)
+        sm.write_mmlu(str(out / "mmlu"), task.test, task.dev)
+        sm.write_calib(str(out / "calib.jsonl"), calib)
+
+        # Measure from disk, the way the pipeline reads it.
+        model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(hf)
+        test = sm.read_jsonl(str(out / "mmlu" / "test.jsonl"))
+        dev: dict[str, list[dict]] = {}
+        for r in sm.read_jsonl(str(out / "mmlu" / "dev.jsonl")):
+            dev.setdefault(r["subject"], []).append(r)
+        acc0, _ = score(model, tokenizer, test)
+        acc5, _ = score(model, tokenizer, test, dev, recipe.n_dev_per_subject)
+        log(f"[tiny] accuracy on {len(test)} test questions: zero-shot {acc0:.4f}, "
+            f"{recipe.n_dev_per_subject}-shot {acc5:.4f}")
+        if acc0 < recipe.min_accuracy:
+            raise RuntimeError(f"tiny model reached zero-shot accuracy {acc0:.4f} < min_accuracy "
+                               f"{recipe.min_accuracy}; the recipe needs more training")
+        info = {
+            "model": MODEL_NAME,
+            "recipe_hash": recipe_hash(recipe),
+            "build_version": BUILD_VERSION,
+            "seed": recipe.seed,
+            "recipe": dataclasses.asdict(recipe),
+            "dtype": "float32",
+            "accuracy": acc0,
+            "accuracy_zero_shot": acc0,
+            f"accuracy_{recipe.n_dev_per_subject}_shot": acc5,
+            "n_test": len(test),
+            "n_dev": sum(len(v) for v in dev.values()),
+            "n_calib": len(calib),
+            "subjects": sorted(dev),
+            "final_loss": sum(losses[-20:]) / len(losses[-20:]),
+            "train_seconds": round(train_s, 2),
+            "build_seconds": round(time.perf_counter() - t0, 2),
+            "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                         "transformers": transformers.__version__},
+            "created_unix": int(time.time()),
+        }
+        with open(out / "build.json", "w", encoding="utf-8") as f:
+            json.dump(info, f, indent=2, sort_keys=True)
+            f.write("\n")
+        return info
+    finally:
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(det)

@@ -1,0 +1,13 @@
+"""vLLM smoke test support: capability check, server / offline engine, client, questions.
+
+Nothing here imports vLLM: it runs out of process in its own interpreter (.venv-vllm by
+default, ``stages.vllm_smoke.python`` otherwise).
+
+    capability.py     pure: what the export is (read_quant_info) x what vLLM offers -> decide
+    probe.py          which interpreter; ask it (subprocess) for vLLM's version, build, GPUs
+    server.py         VllmServer (OpenAI server, /health, stop), run_offline (offline engine)
+    offline_engine.py the standalone offline script run in the vLLM interpreter
+    procs.py          process-group start/stop, log tail, error line
+    client.py         urllib client: /health, /v1/models, /v1/completions (greedy)
+    questions.py      smoke questions (MMLU or jsonl) and scoring
+"""

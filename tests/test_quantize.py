@@ -1,0 +1,187 @@
+"""The quantize stage on 4 gloo ranks at EP4 (NVFP4), and its checks; recipes and calibration units.
+
+One 4-rank run: (1) recipes/nvfp4_default.yaml -> summary.json with every expert quantized and a
+dist checkpoint; (2) the same recipe with the experts excluded -> StageFailed, summary.json says
+why, no checkpoint.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from distributed_utils import REPO_ROOT, run_on_ranks, write_byte_tokenizer, write_tiny_qwen3_moe
+
+NUM_LAYERS, NUM_EXPERTS = 2, 8
+
+
+def write_calibration_jsonl(path: str, n: int = 12) -> str:
+    words = "the quick brown fox jumps over a lazy dog while seven experts route every token".split()
+    with open(path, "w") as f:
+        for i in range(n - 1):
+            f.write(json.dumps({"text": " ".join(words[(i + j) % len(words)] for j in range(20))}) + "\n")
+        f.write(json.dumps({"messages": [{"role": "user", "content": "quantize me"},
+                                         {"role": "assistant", "content": "in NVFP4, gladly"}]}) + "\n")
+    return path
+
+
+def stage_config(hf_path: str, calib_path: str, recipe_file: str, exclude_modules: list[str], layout: dict):
+    from omegaconf import OmegaConf
+
+    from launcher.config.schema import ModelCard, RecipeConfig, Stages
+
+    recipe = OmegaConf.merge(OmegaConf.structured(RecipeConfig), OmegaConf.load(recipe_file))
+    recipe.exclude_modules = exclude_modules
+    stages = OmegaConf.merge(OmegaConf.structured(Stages), {"quantize": {
+        "parallel": layout, "calib": {"dataset": calib_path, "size": 8, "max_seq_len": 24, "batch_size": 2}}})
+    model = OmegaConf.structured(ModelCard(
+        name="tiny-qwen3-moe", architecture="Qwen3MoeForCausalLM", path=hf_path, num_layers=NUM_LAYERS,
+        hidden_size=64, num_attention_heads=4, num_query_groups=2, num_experts=NUM_EXPERTS, moe_topk=2))
+    return OmegaConf.create({"job_name": "test-quantize", "seed": 1234, "model": model, "recipe": recipe,
+                             "stages": stages})
+
+
+def quantize_stage_worker(hf_path: str, calib_path: str, runs: list[dict]) -> dict:
+    """Run the quantize stage once per entry of ``runs`` ({run_dir, recipe_file, exclude_modules})."""
+    from launcher.megatron.dist import init_distributed, shutdown
+    from launcher.stages import quantize
+    from launcher.stages.context import StageContext, StageFailed
+    from launcher.topology import ParallelDims
+
+    out = {}
+    for spec in runs:
+        layout = {"ep": 4}
+        cfg = stage_config(hf_path, calib_path, spec["recipe_file"], spec["exclude_modules"], layout)
+        dims = ParallelDims(world_size=int(os.environ["WORLD_SIZE"]), **layout)
+        init_distributed(dims, "cpu", timeout_s=90, seed=cfg.seed)
+        ctx = StageContext(name="quantize", cfg=cfg, run_dir=spec["run_dir"], rank=int(os.environ["RANK"]),
+                           world_size=dims.world_size, local_rank=int(os.environ["LOCAL_RANK"]), dims=dims,
+                           device="cpu")
+        try:
+            quantize.run(ctx)
+            out[spec["run_dir"]] = "ok"
+        except StageFailed as e:
+            out[spec["run_dir"]] = f"StageFailed: {e}"
+    shutdown()
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory):
+    return write_tiny_qwen3_moe(str(tmp_path_factory.mktemp("tiny_qwen3_moe")), num_layers=NUM_LAYERS)
+
+
+@pytest.mark.slow
+def test_quantize_stage_nvfp4_ep4_and_expert_exclusion_fails(tiny_moe, tmp_path):
+    calib = write_calibration_jsonl(str(tmp_path / "calib.jsonl"))
+    good, excluded = str(tmp_path / "run_nvfp4"), str(tmp_path / "run_excluded")
+    recipe = os.path.join(REPO_ROOT, "recipes", "nvfp4_default.yaml")
+    results = run_on_ranks("test_quantize:quantize_stage_worker", nprocs=4, timeout_s=300, kwargs={
+        "hf_path": tiny_moe, "calib_path": calib, "runs": [
+            {"run_dir": good, "recipe_file": recipe, "exclude_modules": []},
+            {"run_dir": excluded, "recipe_file": recipe, "exclude_modules": ["*mlp.experts*"]}]})
+
+    # 1. NVFP4 at EP4: all 2 layers x 8 experts x 2 linears quantized, summary + checkpoint written
+    assert all(r[good] == "ok" for r in results), results
+    summary = json.load(open(os.path.join(good, "quantize", "summary.json")))
+    s = summary["summary"]
+    assert summary["checks"] == {"passed": True, "problems": []}
+    assert s["expert_linears"] == NUM_LAYERS * NUM_EXPERTS * 2
+    assert s["expert_linears_weight_quantized"] == s["expert_linears"] and s["unquantized_expert_linears"] == []
+    assert set(s["enabled_by_format"]) == {"nvfp4"}
+    kinds = s["by_module_kind"]
+    assert kinds["experts"]["weight:nvfp4"] == NUM_LAYERS * NUM_EXPERTS * 2
+    assert kinds["attention"]["weight:nvfp4"] == NUM_LAYERS * 2          # linear_qkv, linear_proj
+    assert kinds["router"] == {"modules": NUM_LAYERS, "weight_quantized": 0, "quantizers": 0, "enabled": 0}
+    assert kinds["output_layer"]["modules"] == 1 and kinds["output_layer"]["enabled"] == 0
+    assert kinds["embedding"]["weight_quantized"] == 0
+    assert summary["calibration"]["batches"] == 4 and summary["calibration"]["samples"] == 8
+    assert summary["versions"]["megatron-core"] and summary["versions"]["nvidia-modelopt"]
+    assert 0 < summary["logits_relative_error_calib_batch0"] < 0.5
+    ckpt = os.path.join(good, "quantize", "checkpoint")
+    assert os.path.isdir(os.path.join(ckpt, "modelopt_state"))
+    marker = json.load(open(os.path.join(ckpt, "launcher_checkpoint.json")))
+    assert marker == {"saved_at_layout": {"world_size": 4, "tp": 1, "pp": 1, "ep": 4, "etp": 1, "cp": 1},
+                      "modelopt_state": True}
+    assert not [n for n in os.listdir(os.path.join(good, "quantize")) if ".tmp" in n]
+
+    # 2. experts excluded: every rank raises StageFailed, the summary says why, no checkpoint
+    assert all(r[excluded].startswith("StageFailed") and "expert linears" in r[excluded] for r in results), results
+    bad = json.load(open(os.path.join(excluded, "quantize", "summary.json")))
+    assert bad["checks"]["passed"] is False
+    assert bad["summary"]["expert_linears_weight_quantized"] == 0
+    assert not os.path.exists(os.path.join(excluded, "quantize", "checkpoint"))
+
+
+# ---------------------------------------------------------------- single-process units
+
+
+def test_recipes_resolve_and_reject():
+    from omegaconf import OmegaConf
+
+    from launcher.config.schema import RecipeConfig
+    from launcher.quant.recipes import resolve_quant_cfg
+
+    loaded = {}
+    for name in ("nvfp4_default", "fp8_default", "nvfp4_awq_lite", "nvfp4_mlp_weight_only", "none"):
+        recipe = OmegaConf.merge(OmegaConf.structured(RecipeConfig),
+                                 OmegaConf.load(os.path.join(REPO_ROOT, "recipes", f"{name}.yaml")))
+        assert recipe.name == name
+        loaded[name] = resolve_quant_cfg(recipe)
+    assert loaded["none"] is None
+    assert all(isinstance(loaded[n]["quant_cfg"], list) for n in loaded if n != "none")
+    with_excl = resolve_quant_cfg({"name": "x", "format": "nvfp4", "modelopt_cfg": "NVFP4_DEFAULT_CFG",
+                                   "exclude_modules": ["*experts*"]})
+    assert with_excl["quant_cfg"][-1] == {"quantizer_name": "*experts*", "enable": False}
+    with pytest.raises(ValueError, match="NVFP4_DEFAULT_CFG"):   # lists the valid names
+        resolve_quant_cfg({"name": "x", "format": "nvfp4", "modelopt_cfg": "NVFP5_CFG"})
+    with pytest.raises(ValueError, match="exactly one"):
+        resolve_quant_cfg({"name": "x", "format": "fp8", "modelopt_cfg": None, "recipe_path": None})
+    with pytest.raises(ValueError, match="valid values"):
+        resolve_quant_cfg({"name": "x", "format": "fp9", "modelopt_cfg": "FP8_DEFAULT_CFG"})
+
+
+def test_calibration_sources_give_identical_batches(tmp_path):
+    from transformers import AutoTokenizer
+
+    from launcher.quant.calibration import build_calibration_batches, load_calibration_texts
+
+    write_byte_tokenizer(str(tmp_path / "tok"))
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "tok"))
+    jsonl = write_calibration_jsonl(str(tmp_path / "c.jsonl"), n=4)
+    texts = load_calibration_texts(jsonl, size=10, tokenizer=tok)
+    assert len(texts) == 4 and texts[-1] == "<|user|>quantize me\n<|assistant|>in NVFP4, gladly\n"
+    (tmp_path / "c.txt").write_text("first paragraph\nstill first\n\nsecond one\n\n\n")
+    assert load_calibration_texts(str(tmp_path / "c.txt"), size=5) == ["first paragraph\nstill first", "second one"]
+    import datasets
+
+    datasets.Dataset.from_dict({"text": texts[:3]}).save_to_disk(str(tmp_path / "ds"))
+    assert load_calibration_texts(str(tmp_path / "ds"), size=10) == texts[:3]
+    a = build_calibration_batches(tok, texts, size=5, max_seq_len=16, batch_size=2)
+    b = build_calibration_batches(tok, texts, size=5, max_seq_len=16, batch_size=2)
+    assert [t.shape for t in a] == [(2, 16), (2, 16), (1, 16)]
+    assert all((x == y).all() for x, y in zip(a, b))
+    with pytest.raises(ValueError, match="neither"):
+        (tmp_path / "bad.jsonl").write_text(json.dumps({"prompt": "x"}) + "\n")
+        load_calibration_texts(str(tmp_path / "bad.jsonl"), size=1)
+    with pytest.raises(ValueError, match="does not exist"):
+        load_calibration_texts(str(tmp_path / "missing.jsonl"), size=1)
+
+
+def test_summary_check_flags_unquantized_experts():
+    from launcher.quant.summary import check_summary, module_kind, summarize
+
+    assert module_kind("decoder.layers.3.mlp.experts.local_experts.5.linear_fc1") == "experts"
+    assert module_kind("decoder.layers.3.mlp.router") == "router"
+    assert module_kind("decoder.layers.0.self_attention.linear_qkv") == "attention"
+    rows = [{"name": f"e{i}.weight_quantizer", "module": f"e{i}", "kind": "experts", "role": "weight",
+             "format": "nvfp4", "enabled": i != 1} for i in range(3)]
+    s = summarize(rows, {"e0": "experts", "e1": "experts", "e2": "experts", "r": "router"})
+    assert s["unquantized_expert_linears"] == ["e1"]
+    assert any("1 of 3 expert linears" in p for p in check_summary(s, True, True))
+    assert check_summary(s, True, False) == []
+    assert s["by_module_kind"]["router"] == {"modules": 1, "weight_quantized": 0, "quantizers": 0, "enabled": 0}
+    empty = summarize([], {})
+    assert check_summary(empty, True, True) == ["the recipe should quantize, but mtq.quantize left no quantizer enabled"]
+    assert check_summary(empty, False, True) == []
