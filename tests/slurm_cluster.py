@@ -20,12 +20,16 @@ Run ``python tests/slurm_cluster.py`` to start a cluster by hand (Ctrl-C stops i
 """
 from __future__ import annotations
 
+import atexit
+import ctypes
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Any, Callable, Optional
 
@@ -58,6 +62,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _die_with_parent() -> None:
+    """preexec_fn: the daemon gets SIGTERM when the test process dies, even by SIGKILL (Linux)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
 def _mem_total_mb() -> int:
     try:
         with open("/proc/meminfo") as f:
@@ -69,10 +81,15 @@ def _mem_total_mb() -> int:
     return 4096
 
 
+def _sigterm_to_exit(signum, frame):  # pragma: no cover - exercised by hand
+    raise SystemExit(128 + signum)
+
+
 class SlurmCluster:
     """One slurmctld + one slurmd ("localhost", 16 advertised CPUs) + munged, under ``root``."""
 
     def __init__(self, root: Optional[str] = None, cpus: int = 16, start_timeout_s: float = 60.0):
+        self._own_root = root is None
         self.root = root or tempfile.mkdtemp(prefix="slurm-ci-")
         self.cpus = cpus
         self.start_timeout_s = start_timeout_s
@@ -80,6 +97,8 @@ class SlurmCluster:
         self.procs: dict[str, subprocess.Popen] = {}
         self.first_job_id = 1000 + int(time.time()) % 50_000_000
         self._saved_env: Optional[str] = None
+        self._old_sigterm: Any = None
+        self._stopped = False
         self.started = False
 
     # ------------------------------------------------------------------ environment
@@ -151,8 +170,11 @@ class SlurmCluster:
 
     def _spawn(self, name: str, argv: list[str]) -> None:
         log = open(os.path.join(self.root, "log", f"{name}.out"), "ab")
+        # own session: a Ctrl-C in the terminal reaches the test process, whose cleanup cancels the
+        # jobs before stopping the daemons; PDEATHSIG covers a test process that is killed outright
         self.procs[name] = subprocess.Popen(argv, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                            stdin=subprocess.DEVNULL, start_new_session=True)
+                                            stdin=subprocess.DEVNULL, start_new_session=True,
+                                            preexec_fn=_die_with_parent)
         log.close()
 
     def _check_alive(self) -> None:
@@ -174,6 +196,11 @@ class SlurmCluster:
         if missing:
             raise FileNotFoundError(SKIP_REASON.format(missing=", ".join(missing)))
         self._write_files()
+        atexit.register(self.cleanup)
+        if (threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL):
+            # SIGTERM (CI cancelling the step, `timeout`) -> SystemExit, so cleanup still runs
+            self._old_sigterm = signal.signal(signal.SIGTERM, _sigterm_to_exit)
         r = self.root
         sock = os.path.join(r, "munge", "munge.socket.2")
         self._spawn("munged", [_which("munged"), "-F", "--force", "--key-file", f"{r}/munge/munge.key",
@@ -204,6 +231,8 @@ class SlurmCluster:
 
     def stop(self) -> None:
         """Cancel every job of this cluster, then stop slurmd, slurmctld and munged (in that order)."""
+        if self._stopped:
+            return
         if "slurmctld" in self.procs and self.procs["slurmctld"].poll() is None:
             try:
                 if self.active_jobs():
@@ -223,15 +252,21 @@ class SlurmCluster:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(timeout=10)
+        if self._old_sigterm is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._old_sigterm)
+            self._old_sigterm = None
         if self._saved_env is None:
             os.environ.pop("SLURM_CONF", None)
         else:
             os.environ["SLURM_CONF"] = self._saved_env
         self.started = False
+        self._stopped = True
 
     def cleanup(self) -> None:
+        """stop(), then remove the private directory (only when this object created it)."""
         self.stop()
-        shutil.rmtree(self.root, ignore_errors=True)
+        if self._own_root:
+            shutil.rmtree(self.root, ignore_errors=True)
 
     def logs_tail(self, n: int = 30) -> str:
         out = []
@@ -308,6 +343,9 @@ def slurm_cluster():
     missing = missing_binaries()
     if missing:
         pytest.skip(SKIP_REASON.format(missing=", ".join(missing)))
+    if os.geteuid() != 0 and not os.environ.get("SLURM_TEST_NONROOT"):
+        pytest.skip("the test cluster runs slurmd, which must run as root (run the Slurm tests as root, "
+                    "e.g. in the CI container or under sudo; SLURM_TEST_NONROOT=1 tries anyway)")
     cluster = SlurmCluster()
     try:
         cluster.start()

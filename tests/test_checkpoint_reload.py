@@ -6,6 +6,7 @@ model (so the ModelOpt state really was restored, not just the weights).
 """
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -15,7 +16,7 @@ from distributed_utils import REPO_ROOT, run_on_ranks, write_tiny_qwen3_moe
 RELOAD_TOLERANCE = 1e-5   # max |logits(reloaded) - logits(before save)|, fp32
 
 
-def save_and_reload_worker(hf_path: str, ckpt: str, reload_layouts: list[dict]) -> dict:
+def save_and_reload_worker(hf_path: str, ckpt: str, reload_layouts: list[dict], export_dir: str) -> dict:
     import torch
     from omegaconf import OmegaConf
 
@@ -24,7 +25,7 @@ def save_and_reload_worker(hf_path: str, ckpt: str, reload_layouts: list[dict]) 
     from launcher.megatron.checkpoint import load_checkpoint, save_checkpoint
     from launcher.megatron.dist import init_distributed, shutdown
     from launcher.megatron.forward import forward_logits
-    from launcher.megatron.hf_io import import_hf_weights
+    from launcher.megatron.hf_io import export_hf, import_hf_weights
     from launcher.megatron.models import build_model, unwrap_model
     from launcher.quant.recipes import resolve_quant_cfg
     from launcher.quant.summary import gather_summary
@@ -65,6 +66,8 @@ def save_and_reload_worker(hf_path: str, ckpt: str, reload_layouts: list[dict]) 
         out[key] = {"max_abs_diff": None if logits is None else float((logits - reference).abs().max()),
                     "enabled": gather_summary(fresh)["quantizers_enabled"],
                     "saved_at_ep": marker["saved_at_layout"]["ep"]}
+        if layout == {"pp": 4}:   # tp=1, ep=1, dp=1: the layout export supports
+            out["export_files"] = export_hf(fresh, hf_path, export_dir, "float32")
     shutdown()
     return out
 
@@ -79,7 +82,8 @@ def test_nvfp4_checkpoint_reloads_at_ep4_ep1_pp4(tiny_moe, tmp_path):
     ckpt = str(tmp_path / "ckpt")
     results = run_on_ranks("test_checkpoint_reload:save_and_reload_worker", nprocs=4, timeout_s=360,
                            kwargs={"hf_path": tiny_moe, "ckpt": ckpt,
-                                   "reload_layouts": [{"ep": 4}, {"ep": 1}, {"pp": 4}]})
+                                   "reload_layouts": [{"ep": 4}, {"ep": 1}, {"pp": 4}],
+                                   "export_dir": str(tmp_path / "export")})
     print({k: v for k, v in results[-1].items()})
     for rank, r in enumerate(results):
         assert r["quantization_changed_logits"] > 1e-3, "NVFP4 must change the logits"
@@ -92,3 +96,12 @@ def test_nvfp4_checkpoint_reloads_at_ep4_ep1_pp4(tiny_moe, tmp_path):
     pp4 = [r["pp4"]["max_abs_diff"] for r in results]
     assert pp4[:3] == [None, None, None] and pp4[3] < RELOAD_TOLERANCE, pp4
     assert sorted(os.listdir(ckpt)).count("modelopt_state") == 1
+
+    # export after reload (PP4, EP1): no ModelOpt sidecar .json files, tokenizer copied, NVFP4 config
+    files = results[0]["export_files"]
+    assert not [f for f in files if f.startswith("model-") and f.endswith(".json")], files
+    for name in ("config.json", "hf_quant_config.json", "model.safetensors.index.json", "tokenizer.json",
+                 "tokenizer_config.json"):
+        assert name in files, (name, files)
+    quant = json.load(open(tmp_path / "export" / "hf_quant_config.json"))["quantization"]
+    assert quant["quant_algo"] == "NVFP4" and quant["group_size"] == 16

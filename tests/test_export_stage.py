@@ -27,25 +27,28 @@ def _stage_ctx(name: str, cfg, run_dir: str):
                         local_rank=rank, dims=stage_dims(cfg, name), device="cpu")
 
 
-def quantize_then_export_worker(cfg_yaml: str, run_dir: str) -> dict:
+def pipelines_worker(runs: list) -> dict:
+    """For each (cfg_yaml, run_dir): the enabled stages among quantize and export, in order."""
     from omegaconf import OmegaConf
 
     from launcher.megatron.dist import init_distributed, shutdown
     from launcher.stages import export, quantize
     from launcher.stages.context import StageFailed
 
-    cfg = OmegaConf.create(cfg_yaml)
     out = {}
-    for name, module in (("quantize", quantize), ("export", export)):
-        ctx = _stage_ctx(name, cfg, run_dir)
-        init_distributed(ctx.dims, "cpu", timeout_s=180, seed=int(cfg.seed))
-        module.run(ctx)
-    # a second export must refuse to replace the verified one (overwrite is false)
-    try:
-        export.run(_stage_ctx("export", cfg, run_dir))
-        out["second_export"] = "ran"
-    except StageFailed as e:
-        out["second_export"] = str(e)
+    for cfg_yaml, run_dir in runs:
+        cfg = OmegaConf.create(cfg_yaml)
+        for name, module in (("quantize", quantize), ("export", export)):
+            if cfg.stages[name].enabled:
+                ctx = _stage_ctx(name, cfg, run_dir)
+                init_distributed(ctx.dims, "cpu", timeout_s=180, seed=int(cfg.seed))
+                module.run(ctx)
+        # a second export must refuse to replace the verified one (overwrite is false)
+        try:
+            export.run(_stage_ctx("export", cfg, run_dir))
+            out[run_dir] = "ran"
+        except StageFailed as e:
+            out[run_dir] = str(e)
     shutdown()
     return out
 
@@ -69,7 +72,7 @@ def source(tmp_path_factory):
     return src, calib
 
 
-def _config(src: str, calib: str, recipe: str, runs_root: str) -> str:
+def _config(src: str, calib: str, recipe: str, runs_root: str, quantize: bool = True) -> str:
     from omegaconf import OmegaConf
 
     from launcher.config import schema
@@ -84,7 +87,7 @@ def _config(src: str, calib: str, recipe: str, runs_root: str) -> str:
                                   OmegaConf.load(os.path.join(RECIPES_DIR, f"{recipe}.yaml"))),
         "executor": OmegaConf.structured(schema.LocalExecutorConfig),
         "stages": {
-            "quantize": {"parallel": {"ep": 4, "world_size": 4},
+            "quantize": {"enabled": quantize, "parallel": {"ep": 4, "world_size": 4},
                          "calib": {"dataset": calib, "size": 8, "max_seq_len": 32, "batch_size": 4}},
             "mmlu": {"enabled": False, "dataset": "unused"},
             "export": {"parallel": {"pp": 4, "world_size": 4}, "verify_samples": 4},
@@ -93,30 +96,40 @@ def _config(src: str, calib: str, recipe: str, runs_root: str) -> str:
     return OmegaConf.to_yaml(cfg, resolve=True)
 
 
-def _run(source, tmp_path, recipe: str) -> tuple[str, dict, dict]:
+RUNS = {"nvfp4": ("nvfp4_default", True), "none": ("none", True), "none_hf": ("none", False)}
+
+
+@pytest.fixture(scope="module")
+def pipelines(source, tmp_path_factory):
+    """One 4-rank launch: NVFP4 and none (quantize at EP4 -> export at PP4), and none exported
+    straight from the HF weights (stages.quantize disabled)."""
     src, calib = source
-    run_dir = str(tmp_path / "run")
-    results = run_on_ranks("test_export_stage:quantize_then_export_worker", nprocs=4,
-                           kwargs={"cfg_yaml": _config(src, calib, recipe, str(tmp_path)), "run_dir": run_dir},
-                           timeout_s=420)
-    with open(os.path.join(run_dir, "export", "verify.json")) as f:
-        report = json.load(f)
-    return run_dir, report, results[0]
+    root = tmp_path_factory.mktemp("export_stage")
+    runs = {key: (_config(src, calib, recipe, str(root), quantize), str(root / key))
+            for key, (recipe, quantize) in RUNS.items()}
+    [rank0, *_] = run_on_ranks("test_export_stage:pipelines_worker", nprocs=4,
+                               kwargs={"runs": list(runs.values())}, timeout_s=560)
+    out = {}
+    for key, (_, run_dir) in runs.items():
+        with open(os.path.join(run_dir, "export", "verify.json")) as f:
+            out[key] = (run_dir, json.load(f), rank0[run_dir])
+    return out
 
 
-def _assert_published(run_dir: str, report: dict) -> None:
+def _assert_published(run_dir: str, report: dict, second_export: str) -> None:
     final = os.path.join(run_dir, "export", "hf")
     assert report["ok"] is True, report["errors"]
     assert report["export_dir"] == final
     assert sorted(os.listdir(os.path.join(run_dir, "export"))) == ["hf", "verify.json"]  # no tmp, no rejected
     assert not [n for n in os.listdir(final) if n.startswith("model-") and n.endswith(".json")]  # no sidecars
     assert report["layout"]["pp"] == 4 and report["layout"]["ep"] == 1
-    assert "saved at" in report["loaded_from"] and "'ep': 4" in report["loaded_from"]
+    assert second_export.startswith(f"{final} exists; refusing to overwrite it")
 
 
-def test_nvfp4_saved_at_ep4_exported_at_pp4_verifies(source, tmp_path):
-    run_dir, report, rank0 = _run(source, tmp_path, "nvfp4_default")
-    _assert_published(run_dir, report)
+def test_nvfp4_saved_at_ep4_exported_at_pp4_verifies(pipelines):
+    run_dir, report, second = pipelines["nvfp4"]
+    _assert_published(run_dir, report, second)
+    assert "'ep': 4" in report["loaded_from"]
     checks = report["checks"]
     assert checks["quant_config"]["quant_algo"] == "NVFP4"
     assert checks["layers"] == {"num_layers": 4, "num_experts": 8, "moe_layers": 4}
@@ -128,15 +141,17 @@ def test_nvfp4_saved_at_ep4_exported_at_pp4_verifies(source, tmp_path):
     for kind in ("attention", "expert"):
         k = mega["by_kind"][kind]
         assert k["modules"] >= 4 and k["bit_exact"] == k["modules"] and k["max_abs_diff"] == 0.0, mega
-    assert "refusing to overwrite" in rank0["second_export"]
 
 
-def test_recipe_none_round_trip_is_bit_exact(source, tmp_path):
-    run_dir, report, rank0 = _run(source, tmp_path, "none")
-    _assert_published(run_dir, report)
+@pytest.mark.parametrize("key", ["none", "none_hf"])
+def test_recipe_none_round_trip_is_bit_exact(pipelines, key):
+    run_dir, report, second = pipelines[key]
+    _assert_published(run_dir, report, second)
+    assert ("'ep': 4" in report["loaded_from"]) if key == "none" else ("stages.quantize disabled" in report["loaded_from"])
     assert report["quant_algo"] is None
     rt = report["checks"]["roundtrip"]
     assert rt["compared"] == report["checks"]["names_vs_source"]["source_tensors"] == rt["bit_exact"]
     assert report["checks"]["modules"]["quantized"] == 0
+    mega = report["checks"]["dequant_vs_megatron"]["by_kind"]
+    assert all(k["bit_exact"] == k["modules"] for k in mega.values()), mega
     assert not os.path.exists(os.path.join(run_dir, "export", "hf", "hf_quant_config.json"))
-    assert "refusing to overwrite" in rank0["second_export"]

@@ -123,6 +123,32 @@ def guard_probe(rank: int, world: int) -> dict:
     return res
 
 
+def quantize_fp8(hf_path: str, data_dir: str, dims, path: str) -> None:
+    """A quantized checkpoint like the quantize stage's: FP8_DEFAULT_CFG, calibrated on 2 batches."""
+    import modelopt.torch.quantization as mtq
+    import torch
+
+    from launcher.megatron.checkpoint import save_checkpoint
+    from launcher.megatron.forward import forward_logits
+    from launcher.megatron.hf_io import import_hf_weights
+    from launcher.megatron.models import build_model, unwrap_model
+    from launcher.stages.mmlu import load_tokenizer, prepare
+
+    prepared = prepare(mmlu_cfg(data_dir), load_tokenizer(hf_path))
+    model = build_model(hf_path, dims, "cpu", "float32", "alltoall")
+    import_hf_weights(model, hf_path, "float32")
+
+    def loop(m):
+        for b in prepared.batches[:2]:
+            tokens = torch.zeros(b.shape, dtype=torch.long)
+            for row, p in enumerate(b.items):
+                tokens[row, : len(prepared.token_ids[p])] = torch.tensor(prepared.token_ids[p])
+            forward_logits(m, tokens)
+
+    mtq.quantize(unwrap_model(model), mtq.FP8_DEFAULT_CFG, loop)
+    save_checkpoint(model, path)
+
+
 def stage_worker(hf_path: str, data_dir: str, runs: list[dict], layout: dict) -> None:
     """Run launcher.stages.mmlu.run once per entry of ``runs``; exit with the last one's code."""
     from omegaconf import OmegaConf
@@ -137,9 +163,11 @@ def stage_worker(hf_path: str, data_dir: str, runs: list[dict], layout: dict) ->
     init_distributed(dims, "cpu", timeout_s=120, seed=1234)
     code = 0
     for r in runs:
+        if r.get("quantize"):
+            quantize_fp8(hf_path, data_dir, dims, os.path.join(r["run_dir"], "quantize", "checkpoint"))
         cfg = OmegaConf.create({
             "model": {"path": hf_path, "trust_remote_code": False},
-            "stages": {"quantize": {"enabled": False, "dtype": "bfloat16"},
+            "stages": {"quantize": {"enabled": bool(r.get("quantize")), "dtype": "bfloat16"},
                        "mmlu": mmlu_cfg(data_dir, parallel=layout, **r["mmlu"])}})
         ctx = StageContext("mmlu", cfg, r["run_dir"], rank, world, rank, dims, "cpu")
         try:
@@ -246,7 +274,8 @@ def test_modes_and_layouts_match_single_rank(tiny):
 @pytest.mark.slow
 def test_stage_gate_pass_then_fail_exit_codes(tiny):
     root = tiny["root"]
-    runs = [{"run_dir": str(root / "run_pass"), "mmlu": {"lower_bound": 0.05}},
+    runs = [{"run_dir": str(root / "run_pass"), "quantize": True,
+             "mmlu": {"lower_bound": 0.05, "baseline": "evaluate", "max_drop": 1.0}},
             {"run_dir": str(root / "run_fail"), "mmlu": {"lower_bound": 0.99}}]
     with pytest.raises(RanksFailed) as e:
         run_on_ranks("test_mmlu_distributed:stage_worker", nprocs=4, timeout_s=300,
@@ -256,12 +285,12 @@ def test_stage_gate_pass_then_fail_exit_codes(tiny):
     for out in e.value.outputs:
         assert "StageFailed(3): MMLU gate failed: accuracy " in out and "< lower_bound 0.99" in out
     _, ref_preds, _ = reference(tiny["hf"], tiny["data"])
+    docs = {}
     for name, passed in (("run_pass", True), ("run_fail", False)):
         with open(root / name / "mmlu" / "results.json") as f:
-            doc = json.load(f)
+            docs[name] = doc = json.load(f)
         assert doc["pass"] is passed
         assert doc["n"] == 26 and doc["shard_mode"] == "balanced"
-        assert [q["prediction"] for q in doc["questions"]] == ["ABCD"[p] for p in ref_preds]
         assert doc["correct"] == sum(q["correct"] for q in doc["questions"])
         assert doc["plan"]["forward_calls_per_rank"] == [4, 4, 4, 4]
         assert sorted(doc["per_subject"]) == sorted(SUBJECTS)
@@ -269,3 +298,17 @@ def test_stage_gate_pass_then_fail_exit_codes(tiny):
         assert len(doc["questions"][0]["logits"]) == 4
         lo, hi = doc["interval"]
         assert lo <= doc["accuracy"] <= hi
+    # quantize disabled: the HF weights themselves, equal to transformers question by question
+    fail = docs["run_fail"]
+    assert [q["prediction"] for q in fail["questions"]] == ["ABCD"[p] for p in ref_preds]
+    assert fail["failures"] == [f"accuracy {fail['accuracy']:.4f} ({fail['correct']}/26) < lower_bound 0.99"]
+    # quantized checkpoint + baseline=evaluate: the baseline is the unquantized model
+    ok = docs["run_pass"]
+    assert [q["baseline_prediction"] for q in ok["questions"]] == ["ABCD"[p] for p in ref_preds]
+    base_acc = sum(q["baseline_prediction"] == q["answer"] for q in ok["questions"]) / 26
+    assert ok["baseline"] == {"mode": "evaluate", "accuracy": base_acc, "drop": base_acc - ok["accuracy"]}
+    agree = sum(q["baseline_prediction"] == q["prediction"] for q in ok["questions"]) / 26
+    assert ok["agreement"] == agree
+    flipped = sum(q["logits"] != q["baseline_logits"] for q in ok["questions"])
+    assert flipped == 26, "FP8 fake quantization changes every question's logits"
+    print(f"\nFP8 agreement with baseline {agree:.3f}; accuracy {ok['accuracy']:.3f} vs {base_acc:.3f}")

@@ -114,3 +114,13 @@ def test_summary_keys():
     assert s["forward_calls_per_rank"] == [3, 3, 3, 3]
     assert s["dummies_per_rank"] == [0, 0, 1, 1]
     assert s["real_batches_per_rank"] == [3, 3, 2, 2]
+
+
+def test_shard_padded_tokens_counts_each_shard_once():
+    real = sum(r * n for r, n in SHAPES)
+    lock = plan_shards(SHAPES, LAYOUTS["ep4"], "lockstep", "alltoall")
+    assert lock.shard_padded_tokens() == real                      # one shard, no dummies
+    bal = plan_shards(SHAPES, LAYOUTS["ep4"], "balanced", "alltoall")
+    assert bal.shard_padded_tokens() == real + 2 * 12              # two 1x12 dummies
+    tp = plan_shards(SHAPES, LAYOUTS["tp2_ep2"], "balanced", "alltoall")
+    assert tp.shard_padded_tokens() == real                        # TP peers counted once

@@ -84,6 +84,14 @@ class ShardPlan:
     def padded_tokens(self) -> list[int]:
         return [sum(st.rows * st.padded_len for st in s) for s in self.steps]
 
+    def shard_padded_tokens(self) -> int:
+        """Padded tokens (dummies included) summed over shards - one rank per shard index, so
+        TP/PP/lockstep peers computing the same batches count once."""
+        seen: dict[int, int] = {}
+        for r, shard in enumerate(self.shard_of_rank):
+            seen.setdefault(shard, sum(st.rows * st.padded_len for st in self.steps[r]))
+        return sum(seen.values())
+
     def summary(self) -> dict:
         return {
             "mode": self.mode, "dispatcher": self.dispatcher, "n_batches": self.n_batches,

@@ -77,8 +77,7 @@ def build_results(prepared: Prepared, results: dict, scfg, decision: gate_mod.Ga
         per_q.append(entry)
     summary = plan.summary()
     eff = padding_efficiency(prepared.batches)
-    eff_plan = padding_efficiency(prepared.batches, sum(summary["padded_tokens_per_rank"])) \
-        if plan.mode != "lockstep" else None
+    eff_plan = padding_efficiency(prepared.batches, plan.shard_padded_tokens())
     return {
         "accuracy": decision.accuracy, "n": decision.n, "correct": decision.correct,
         "interval": list(decision.interval), "interval_level": 0.95, "interval_method": "wilson",
