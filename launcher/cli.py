@@ -134,7 +134,10 @@ class RunVerb:
             from launcher.executors.local import LocalExecutor
 
             return LocalExecutor(cfg.executor, "").agent_argv(plan, cfg.executor.master_port or 0)
-        return ["sbatch", plan.log_path.replace("log.txt", "job.sbatch"), "# srun", *plan.argv]
+        from launcher.executors.slurm_script import render_sbatch
+
+        run_dir = os.path.dirname(os.path.dirname(plan.log_path))
+        return ["sbatch <<'EOF'\n" + render_sbatch(plan, cfg.executor, run_dir) + "EOF"]
 
 
 class ValidateVerb:

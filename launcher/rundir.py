@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from launcher.config.schema import STAGE_ORDER
 from launcher.stages.context import write_json_atomic
 
-SECRET_NAME = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|ACCESS_KEY|PRIVATE_KEY)", re.IGNORECASE)
+SECRET_NAME = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|ACCESS_KEY|PRIVATE_KEY|CREDENTIAL)", re.IGNORECASE)
 MASK = "***"
 
 # statuses in metadata.json

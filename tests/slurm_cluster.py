@@ -1,6 +1,7 @@
 """A real single-node Slurm cluster for tests: munge + slurmctld + slurmd on loopback.
 
-Use the session fixture ``slurm_cluster`` (import it into a test module or a conftest)::
+Use the session fixture ``slurm_cluster`` (import it into a test module or a conftest; several
+importers share one cluster)::
 
     from slurm_cluster import slurm_cluster  # noqa: F401  (tests/ is on sys.path under pytest)
 
@@ -346,16 +347,29 @@ def slurm_cluster():
     if os.geteuid() != 0 and not os.environ.get("SLURM_TEST_NONROOT"):
         pytest.skip("the test cluster runs slurmd, which must run as root (run the Slurm tests as root, "
                     "e.g. in the CI container or under sudo; SLURM_TEST_NONROOT=1 tries anyway)")
-    cluster = SlurmCluster()
+    global _SHARED, _USERS
+    # one cluster per process even when several test modules import this fixture (each import is
+    # its own FixtureDef to pytest): reference-counted, stopped when the last user is done
+    if _SHARED is None:
+        cluster = SlurmCluster()
+        try:
+            cluster.start()
+        except Exception:
+            cluster.cleanup()
+            raise
+        _SHARED = cluster
+    _USERS += 1
     try:
-        cluster.start()
-    except Exception:
-        cluster.cleanup()
-        raise
-    try:
-        yield cluster
+        yield _SHARED
     finally:
-        cluster.cleanup()
+        _USERS -= 1
+        if _USERS == 0 and _SHARED is not None:
+            _SHARED.cleanup()
+            _SHARED = None
+
+
+_SHARED: Optional[SlurmCluster] = None
+_USERS = 0
 
 
 if __name__ == "__main__":

@@ -103,3 +103,27 @@ def test_gpt_config_reads_everything_from_config_json():
     with pytest.raises(ValueError, match="rope_type"):
         _rope({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
     assert _gpt_config_kwargs("LlamaForCausalLM", hf)["qk_layernorm"] is False
+
+
+def test_nemotron_h_config_from_config_json():
+    """The Nemotron-3-Nano shape (anchor.md) maps to a valid TransformerConfig (built on CPU; the
+    model itself needs CUDA + mamba_ssm)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from launcher.megatron.models import _nemotron_h_config_kwargs, nemotron_h_pattern
+
+    pattern = "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"
+    hf = {"num_hidden_layers": 52, "hybrid_override_pattern": pattern, "hidden_size": 2688,
+          "num_attention_heads": 32, "num_key_value_heads": 2, "head_dim": 128, "intermediate_size": 1856,
+          "mamba_num_heads": 64, "mamba_head_dim": 64, "ssm_state_size": 128, "n_groups": 8,
+          "n_routed_experts": 128, "num_experts_per_tok": 6, "moe_intermediate_size": 1856,
+          "moe_shared_expert_intermediate_size": 3712, "n_shared_experts": 1, "routed_scaling_factor": 2.5,
+          "n_group": 1, "topk_group": 1, "layer_norm_epsilon": 1e-5, "mlp_hidden_act": "relu2"}
+    kw = _nemotron_h_config_kwargs(hf)
+    config = TransformerConfig(**kw, use_cpu_initialization=True)
+    assert config.num_layers == 52 and config.num_moe_experts == 128 and config.moe_router_topk == 6
+    assert config.moe_router_score_function == "sigmoid" and config.num_query_groups == 2
+    blocks = {"M": "mamba", "E": "moe", "*": "attention"}
+    assert nemotron_h_pattern({"layers_block_type": [blocks[c] for c in pattern]}) == pattern
+    with pytest.raises(ValueError, match="num_hidden_layers"):
+        nemotron_h_pattern({"hybrid_override_pattern": "ME*", "num_hidden_layers": 4})

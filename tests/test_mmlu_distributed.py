@@ -190,14 +190,19 @@ def tiny(tmp_path_factory):
     return {"hf": hf, "data": data, "root": root}
 
 
-def reference(hf: str, data: str):
+@pytest.fixture(scope="module")
+def ref(tiny):
+    return reference(tiny["hf"], tiny["data"])
+
+
+def reference(hf: str, data: str, **over):
     """transformers, one prompt at a time, no padding: the single-rank unsharded answer."""
     import torch
     import transformers
 
     from launcher.stages.mmlu import load_tokenizer, prepare
 
-    prepared = prepare(mmlu_cfg(data), load_tokenizer(hf))
+    prepared = prepare(mmlu_cfg(data, **over), load_tokenizer(hf))
     model = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
     preds, logits = [], []
     with torch.no_grad():
@@ -220,8 +225,8 @@ CASES = [
 
 
 @pytest.mark.slow
-def test_modes_and_layouts_match_single_rank(tiny):
-    prepared, ref_preds, ref_logits = reference(tiny["hf"], tiny["data"])
+def test_modes_and_layouts_match_single_rank(tiny, ref):
+    prepared, ref_preds, ref_logits = ref
     n_batches = len(prepared.batches)
     assert len(prepared.prompts) == 26 and n_batches == 13
     t = time.time()
@@ -271,29 +276,63 @@ def test_modes_and_layouts_match_single_rank(tiny):
     print("dense_dp guard error after", [round(b["seconds"], 3) for b in bug], "s")
 
 
+def built_tiny_model():
+    """launcher.tiny's trained Qwen3-MoE-tiny when it is already built (building trains a model:
+    minutes), else None."""
+    try:
+        from launcher.tiny import ensure_tiny_model
+        from launcher.tiny.build import default_dir, read_build_info
+    except ImportError:
+        return None
+    if read_build_info(default_dir()) is None:
+        return None
+    return ensure_tiny_model()
+
+
+@pytest.fixture(scope="module")
+def stage_model(tiny, ref):
+    """The trained tiny model with its synthetic MMLU (10 % of it) when built, else the random one."""
+    build = built_tiny_model()
+    if build is None:
+        return {**tiny, "over": {}, "ref": ref, "subjects": sorted(SUBJECTS), "name": "random"}
+    hf, data, over = str(build / "hf"), str(build / "mmlu"), {"fraction": 0.1}
+    from launcher.tiny.synthetic_mmlu import SUBJECTS as TINY_SUBJECTS
+
+    return {"hf": hf, "data": data, "root": tiny["root"], "over": over,
+            "ref": reference(hf, data, **over), "subjects": sorted(TINY_SUBJECTS), "name": "tiny"}
+
+
 @pytest.mark.slow
-def test_stage_gate_pass_then_fail_exit_codes(tiny):
-    root = tiny["root"]
+def test_stage_gate_pass_then_fail_exit_codes(stage_model):
+    from launcher.mmlu.sharding import plan_shards
+    from launcher.topology import ParallelDims
+
+    m = stage_model
+    root, over = m["root"], m["over"]
+    prepared, ref_preds, _ = m["ref"]
+    n = len(prepared.prompts)
     runs = [{"run_dir": str(root / "run_pass"), "quantize": True,
-             "mmlu": {"lower_bound": 0.05, "baseline": "evaluate", "max_drop": 1.0}},
-            {"run_dir": str(root / "run_fail"), "mmlu": {"lower_bound": 0.99}}]
+             "mmlu": {"lower_bound": 0.05, "baseline": "evaluate", "max_drop": 1.0, **over}},
+            {"run_dir": str(root / "run_fail"), "mmlu": {"lower_bound": 0.99, **over}}]
+    t = time.time()
     with pytest.raises(RanksFailed) as e:
         run_on_ranks("test_mmlu_distributed:stage_worker", nprocs=4, timeout_s=300,
-                     kwargs={"hf_path": tiny["hf"], "data_dir": tiny["data"], "runs": runs,
+                     kwargs={"hf_path": m["hf"], "data_dir": m["data"], "runs": runs,
                              "layout": {"ep": 4}})
+    wall = time.time() - t
     assert e.value.returncodes == [3, 3, 3, 3], str(e.value)[-3000:]
     for out in e.value.outputs:
         assert "StageFailed(3): MMLU gate failed: accuracy " in out and "< lower_bound 0.99" in out
-    _, ref_preds, _ = reference(tiny["hf"], tiny["data"])
+    calls = plan_shards([b.shape for b in prepared.batches], ParallelDims(4, ep=4)).forward_calls()
     docs = {}
     for name, passed in (("run_pass", True), ("run_fail", False)):
         with open(root / name / "mmlu" / "results.json") as f:
             docs[name] = doc = json.load(f)
         assert doc["pass"] is passed
-        assert doc["n"] == 26 and doc["shard_mode"] == "balanced"
+        assert doc["n"] == n and doc["shard_mode"] == "balanced"
         assert doc["correct"] == sum(q["correct"] for q in doc["questions"])
-        assert doc["plan"]["forward_calls_per_rank"] == [4, 4, 4, 4]
-        assert sorted(doc["per_subject"]) == sorted(SUBJECTS)
+        assert doc["plan"]["forward_calls_per_rank"] == calls
+        assert sorted(doc["per_subject"]) == m["subjects"]
         assert set(doc["questions"][0]) >= {"index", "subject", "answer", "prediction", "logits"}
         assert len(doc["questions"][0]["logits"]) == 4
         lo, hi = doc["interval"]
@@ -301,14 +340,15 @@ def test_stage_gate_pass_then_fail_exit_codes(tiny):
     # quantize disabled: the HF weights themselves, equal to transformers question by question
     fail = docs["run_fail"]
     assert [q["prediction"] for q in fail["questions"]] == ["ABCD"[p] for p in ref_preds]
-    assert fail["failures"] == [f"accuracy {fail['accuracy']:.4f} ({fail['correct']}/26) < lower_bound 0.99"]
+    assert fail["failures"] == [f"accuracy {fail['accuracy']:.4f} ({fail['correct']}/{n}) < lower_bound 0.99"]
     # quantized checkpoint + baseline=evaluate: the baseline is the unquantized model
     ok = docs["run_pass"]
     assert [q["baseline_prediction"] for q in ok["questions"]] == ["ABCD"[p] for p in ref_preds]
-    base_acc = sum(q["baseline_prediction"] == q["answer"] for q in ok["questions"]) / 26
+    base_acc = sum(q["baseline_prediction"] == q["answer"] for q in ok["questions"]) / n
     assert ok["baseline"] == {"mode": "evaluate", "accuracy": base_acc, "drop": base_acc - ok["accuracy"]}
-    agree = sum(q["baseline_prediction"] == q["prediction"] for q in ok["questions"]) / 26
+    agree = sum(q["baseline_prediction"] == q["prediction"] for q in ok["questions"]) / n
     assert ok["agreement"] == agree
-    flipped = sum(q["logits"] != q["baseline_logits"] for q in ok["questions"])
-    assert flipped == 26, "FP8 fake quantization changes every question's logits"
-    print(f"\nFP8 agreement with baseline {agree:.3f}; accuracy {ok['accuracy']:.3f} vs {base_acc:.3f}")
+    changed = sum(q["logits"] != q["baseline_logits"] for q in ok["questions"])
+    assert changed == n, "FP8 fake quantization changes every question's logits"
+    print(f"\n{m['name']} model, n={n}: stage run {wall:.1f} s wall; HF accuracy {fail['accuracy']:.3f}; "
+          f"FP8 accuracy {ok['accuracy']:.3f}, agreement with baseline {agree:.3f}; calls {calls}")

@@ -112,3 +112,32 @@ def test_pure_modules_do_not_import_torch():
             "launcher.mmlu.sharding, launcher.mmlu.gate; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+@pytest.fixture(scope="module")
+def byte_tokenizer(tmp_path_factory):
+    sys.path.insert(0, __import__("os").path.dirname(__file__))
+    from distributed_utils import write_byte_tokenizer
+    from transformers import AutoTokenizer
+
+    path = str(tmp_path_factory.mktemp("tok"))
+    write_byte_tokenizer(path)
+    return AutoTokenizer.from_pretrained(path)
+
+
+def test_choice_ids_and_encoding(byte_tokenizer):
+    from launcher.mmlu.prompts import Prompt, choice_token_ids, encode_prompts
+
+    tok = byte_tokenizer
+    ids = choice_token_ids(tok)
+    assert ids == [tok.encode(f" {x}", add_special_tokens=False)[-1] for x in "ABCD"]
+    assert len(tok.encode(" A", add_special_tokens=False)) == 2       # byte level: " " and "A"
+    p = Prompt(TEST, build_prompt(TEST))
+    [enc], truncated = encode_prompts([p], tok)                       # add_bos None: no BOS
+    assert enc == tok.encode(p.text, add_special_tokens=False) and truncated == 0
+    [short], truncated = encode_prompts([p], tok, max_seq_len=10)     # left-truncated, end kept
+    assert short == enc[-10:] and truncated == 1
+    with pytest.raises(ValueError) as e:
+        encode_prompts([p], tok, add_bos=True)
+    assert str(e.value) == ("stages.mmlu.add_bos=true but the tokenizer has no BOS token; valid: "
+                            "null (lm-eval default: no BOS) or false")

@@ -114,6 +114,59 @@ def test_quantize_stage_nvfp4_ep4_and_expert_exclusion_fails(tiny_moe, tmp_path)
     assert not os.path.exists(os.path.join(excluded, "quantize", "checkpoint"))
 
 
+def recipes_worker(hf_path: str, recipe_names: list[str]) -> dict:
+    """Each shipped recipe through resolve_quant_cfg + mtq.quantize on the Megatron MoE (1 rank)."""
+    import torch
+    from omegaconf import OmegaConf
+
+    import modelopt.torch.quantization as mtq
+    from launcher.config.schema import RecipeConfig
+    from launcher.megatron.dist import init_distributed, shutdown
+    from launcher.megatron.forward import forward_logits
+    from launcher.megatron.hf_io import import_hf_weights
+    from launcher.megatron.models import build_model, unwrap_model
+    from launcher.quant.recipes import resolve_quant_cfg
+    from launcher.quant.summary import check_summary, gather_summary
+    from launcher.topology import ParallelDims
+
+    dims = ParallelDims(world_size=1)
+    init_distributed(dims, "cpu", timeout_s=90, seed=1234)
+    gen = torch.Generator().manual_seed(2)
+    calib = [torch.randint(0, 256, (2, 32), generator=gen) for _ in range(2)]
+    out = {}
+    for name in recipe_names:
+        recipe = OmegaConf.merge(OmegaConf.structured(RecipeConfig),
+                                 OmegaConf.load(os.path.join(REPO_ROOT, "recipes", f"{name}.yaml")))
+        model = build_model(hf_path, dims, "cpu", "float32", "alltoall")
+        import_hf_weights(model, hf_path, "float32")
+        reference = forward_logits(model, calib[0])
+        mtq.quantize(unwrap_model(model), resolve_quant_cfg(recipe), lambda _: [forward_logits(model, b) for b in calib])
+        logits = forward_logits(model, calib[0])
+        summary = gather_summary(model)
+        out[name] = {"enabled_by_format": summary["enabled_by_format"],
+                     "attention_weight_quantized": summary["by_module_kind"]["attention"]["weight_quantized"],
+                     "relative_error": float((logits - reference).norm() / reference.norm()),
+                     "problems": check_summary(summary, True, bool(recipe.quantize_experts))}
+    shutdown()
+    return out
+
+
+@pytest.mark.slow
+def test_every_quantizing_recipe_quantizes_the_moe(tiny_moe):
+    names = ["fp8_default", "nvfp4_awq_lite", "nvfp4_mlp_weight_only"]
+    result = run_on_ranks("test_quantize:recipes_worker", nprocs=1, timeout_s=300,
+                          kwargs={"hf_path": tiny_moe, "recipe_names": names})[0]
+    print(json.dumps(result, indent=1))
+    for name in names:
+        assert result[name]["problems"] == [], (name, result[name])
+        assert 0 < result[name]["relative_error"] < 0.6, (name, result[name])
+    assert set(result["fp8_default"]["enabled_by_format"]) == {"fp8"}
+    assert set(result["nvfp4_awq_lite"]["enabled_by_format"]) == {"nvfp4"}
+    # weight-only MLP recipe: expert weights only, attention untouched
+    assert result["nvfp4_mlp_weight_only"]["attention_weight_quantized"] == 0
+    assert result["nvfp4_mlp_weight_only"]["enabled_by_format"] == {"nvfp4": NUM_LAYERS * NUM_EXPERTS * 2}
+
+
 # ---------------------------------------------------------------- single-process units
 
 

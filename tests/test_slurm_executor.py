@@ -66,7 +66,7 @@ def timeout_job(slurm_cluster, tmp_path_factory):
 
 
 def test_four_ranks_env_and_logs(slurm_cluster, timeout_job, tmp_path):
-    run_dir = str(tmp_path / "job" / "run")
+    run_dir = str(tmp_path / "my job" / "run")      # a space in the path: quoting in #SBATCH and srun
     out = tmp_path / "ranks"
     out.mkdir()
     p = plan(run_dir, "quantize", RANK_SCRIPT, world=4,
@@ -93,6 +93,8 @@ def test_four_ranks_env_and_logs(slurm_cluster, timeout_job, tmp_path):
     assert record["stages"]["quantize"]["final_state"] == "COMPLETED"
     assert record["stages"]["quantize"]["script"].endswith("slurm/quantize.sbatch")
     assert SlurmExecutor.status(run_dir) == {"quantize": "COMPLETED"}
+    info = SlurmExecutor(slurm_cluster.executor_config(), run_dir).job_info("quantize")  # a fresh process's view
+    assert info["state"] == "COMPLETED" and info["exit_code"] == 0 and info["node_list"] == "localhost"
     print(f"4-rank stage: {time.monotonic() - t0:.1f} s")
 
 
@@ -197,3 +199,17 @@ def test_missing_sbatch_says_what_to_do(tmp_path, monkeypatch):
     ex = SlurmExecutor({"poll_interval_s": 1}, str(tmp_path / "run"))
     with pytest.raises(SlurmError, match=r"`sbatch` not found .*slurm-client.*executor=local"):
         ex.submit([plan(str(tmp_path / "run"), "quantize", "print(1)")])
+
+
+def test_status_without_slurm_reports_recorded_states(tmp_path, monkeypatch):
+    """`launch status` on a machine without Slurm (or with the controller down): recorded states."""
+    slurm_dir = tmp_path / "run" / "slurm"
+    slurm_dir.mkdir(parents=True)
+    (slurm_dir / "jobs.json").write_text(json.dumps({"order": ["quantize", "mmlu"], "stages": {
+        "quantize": {"job_id": "7", "final_state": "COMPLETED",
+                     "final_info": {"job_id": "7", "state": "COMPLETED", "exit_code": 0}},
+        "mmlu": {"job_id": "8", "final_state": None}}}))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    details = SlurmExecutor.status_details(str(tmp_path / "run"))
+    assert {s: d["state"] for s, d in details.items()} == {"quantize": "COMPLETED", "mmlu": "UNKNOWN"}
+    assert "Slurm not reachable" in details["mmlu"]["reason"]

@@ -27,6 +27,8 @@ RUN_DIR = "/runs/tiny_moe/20261202-101500"
 
 def _cfg(**kv):
     cfg = OmegaConf.structured(SlurmExecutorConfig)
+    if set(kv) - set(cfg.keys()):          # keys proposed for the schema (sbatch_args, srun_args)
+        OmegaConf.set_struct(cfg, False)
     for k, v in kv.items():
         OmegaConf.update(cfg, k, v, merge=False)
     return cfg
@@ -52,6 +54,9 @@ CASES = {
     ),
     # a stage that may fail, one rank, plain minutes as the limit
     "export_1rank": (_plan("export", 1, allow_to_fail=True), _cfg(time="30", partition="debug")),
+    # site flags passed through verbatim (keys proposed for SlurmExecutorConfig)
+    "site_args": (_plan("quantize", 8), _cfg(nodes=2, gpus_per_node=4, sbatch_args=["--exclusive", "--constraint=h100"],
+                                            srun_args=["--mpi=pmix", "--cpu-bind=none"])),
 }
 
 
@@ -85,6 +90,7 @@ def test_render_is_pure():
 @pytest.mark.parametrize("kv,plan,match", [
     ({"nodes": 3}, _plan(world=4), r"world size 4 does not split evenly over executor.nodes=3; valid node counts: \[1, 2, 4\]"),
     ({"time": "1h"}, _plan(), r"executor.time='1h'"),
+    ({"gpus_per_node": 4}, _plan(world=8), r"8 ranks per node .* executor.gpus_per_node=4: .*executor.nodes >= 2"),
     ({"env": {"BAD-NAME": "1"}}, _plan(), r"not a valid environment variable name"),
 ])
 def test_errors_name_the_key(kv, plan, match):

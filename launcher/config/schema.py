@@ -87,10 +87,12 @@ class SlurmExecutorConfig:
     setup: list[str] = field(default_factory=list)  # shell lines run before srun (module load ...)
     python: str = "python"             # interpreter inside the allocation
     env: dict[str, str] = field(default_factory=dict)
+    sbatch_args: list[str] = field(default_factory=list)  # extra #SBATCH flags, e.g. ["--exclusive"]
+    srun_args: list[str] = field(default_factory=list)    # extra srun flags, e.g. ["--mpi=pmix"]
     poll_interval_s: float = 2.0
     omp_num_threads: int = 1
     collective_timeout_s: int = 120
-    master_port: int = 29500
+    master_port: int = 0               # 0: 20000 + job id % 20000 (jobs sharing a node never collide)
 
 
 @dataclass

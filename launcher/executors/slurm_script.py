@@ -29,8 +29,8 @@ import shlex
 from typing import Any, Mapping, Optional, Sequence
 
 from launcher.executors.base import StagePlan
+from launcher.rundir import SECRET_NAME  # one rule for what is a secret: config.yaml masks the same names
 
-SECRET_KEY = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|API_?KEY|CREDENTIAL|PRIVATE_KEY)", re.IGNORECASE)
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _TIME = re.compile(r"^((\d+-)?\d+(:\d{1,2}){0,2}|UNLIMITED|INFINITE)$", re.IGNORECASE)
 DERIVED_PORT_BASE = 20000
@@ -42,7 +42,7 @@ class ScriptError(ValueError):
 
 
 def is_secret(name: str) -> bool:
-    return bool(SECRET_KEY.search(name))
+    return bool(SECRET_NAME.search(name))
 
 
 def stage_env(plan: StagePlan, cfg: Any) -> dict[str, str]:
@@ -89,7 +89,14 @@ def tasks_per_node(plan: StagePlan, cfg: Any) -> int:
             f"stage {plan.name}: world size {plan.world_size} does not split evenly over "
             f"executor.nodes={nodes}; valid node counts: "
             f"{[n for n in range(1, plan.world_size + 1) if plan.world_size % n == 0]}")
-    return plan.world_size // nodes
+    ntpn = plan.world_size // nodes
+    gpus = int(_get(cfg, "gpus_per_node", 0) or 0)
+    if gpus and ntpn > gpus:
+        raise ScriptError(
+            f"stage {plan.name}: {ntpn} ranks per node (world {plan.world_size} / executor.nodes={nodes}) "
+            f"but executor.gpus_per_node={gpus}: one rank per GPU needs executor.nodes >= "
+            f"{-(-plan.world_size // gpus)}")
+    return ntpn
 
 
 def render_sbatch(plan: StagePlan, cfg: Any, run_dir: str, job_name: Optional[str] = None) -> str:
@@ -122,6 +129,8 @@ def render_sbatch(plan: StagePlan, cfg: Any, run_dir: str, job_name: Optional[st
     for key in ("partition", "account", "qos"):
         if _get(cfg, key):
             sb.append(f"--{key}={_get(cfg, key)}")
+    # site-specific flags (--constraint=..., --reservation=..., --exclusive); proposed schema key
+    sb += [str(a) for a in (_get(cfg, "sbatch_args", []) or [])]
     sb += [
         f"--output={plan.log_path}",
         f"--error={plan.log_path}",
@@ -156,6 +165,7 @@ def render_sbatch(plan: StagePlan, cfg: Any, run_dir: str, job_name: Optional[st
     ]
 
     srun = ["srun", f"--ntasks={plan.world_size}", f"--ntasks-per-node={ntpn}", "--kill-on-bad-exit=1"]
+    srun += [str(a) for a in (_get(cfg, "srun_args", []) or [])]   # proposed schema key, e.g. --mpi=pmix
     image = _get(cfg, "container_image")
     if image:
         srun.append(f"--container-image={q(str(image))}")

@@ -30,9 +30,11 @@ Each shim, and what breaks without it (measured with megatron-core 0.19.2, model
     ``NVFP4QTensor.quantize`` / ``dequantize`` (the code its export uses to pack the weights),
     so the arithmetic is ModelOpt's; tests/test_gpu_quantize.py compares it with the GPU kernel.
 
-The RNG needs no patch: ``launcher.megatron.dist`` seeds Megatron's tracker with
-``model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True, force_reset_rng=True)`` on
-CPU (the default tracker calls ``torch.cuda.get_rng_state``, which fails without CUDA).
+``seed_megatron_rng_cpu`` (not a patch; ``launcher.megatron.dist`` calls it on CPU)
+    Seeds Megatron's model-parallel RNG tracker with
+    ``model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True, force_reset_rng=True)``.
+    The default tracker snapshots ``torch.cuda`` RNG states and fails without CUDA; the
+    inference tracker's fork/add are no-ops (fine: no dropout, weights come from checkpoints).
 """
 from __future__ import annotations
 
@@ -178,6 +180,12 @@ def apply_cpu_compat() -> list[str]:
             patch(torch)
             _APPLIED.add(name)
     return sorted(_APPLIED)
+
+
+def seed_megatron_rng_cpu(seed: int) -> None:
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True, force_reset_rng=True)
 
 
 def applied_shims() -> list[str]:

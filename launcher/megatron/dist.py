@@ -101,16 +101,18 @@ def seed_everything(seed: int, device: str) -> None:
 
     import numpy as np
     import torch
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
     if device == "cuda":
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
         model_parallel_cuda_manual_seed(seed)
     else:
-        # The default tracker snapshots torch.cuda RNG states; the inference tracker does not.
-        model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True, force_reset_rng=True)
+        from launcher.megatron.cpu_compat import seed_megatron_rng_cpu
+
+        seed_megatron_rng_cpu(seed)
 
 
 # topology.ParallelDims.groups kind -> (parallel_state getter, kwargs)

@@ -202,27 +202,44 @@ def _build_gpt(arch: str, hf: dict[str, Any], dims: "ParallelDims", device: str,
     return model
 
 
-def _build_nemotron_h(hf: dict[str, Any], dims: "ParallelDims", device: str, dtype, dispatcher: str):
-    """Nemotron-H hybrid (Mamba + attention + MoE) model.  GPU only; not exercised on CPU."""
-    import torch.nn.functional as F
-    from megatron.core import parallel_state
-    from megatron.core.models.hybrid.hybrid_model import HybridModel
-    from megatron.core.post_training.modelopt.hybrid.model_specs import get_hybrid_stack_modelopt_spec
-    from megatron.core.transformer.transformer_config import TransformerConfig
+_BLOCK_TYPE_SYMBOLS = {"mamba": "M", "linear_attention": "M", "moe": "E", "attention": "*",
+                       "full_attention": "*", "mlp": "-"}
 
+
+def nemotron_h_pattern(hf: dict[str, Any]) -> str:
+    """Megatron's hybrid layer pattern (M mamba, E MoE, * attention, - MLP) from config.json."""
     pattern = hf.get("hybrid_override_pattern")
-    if not pattern or len(pattern) != hf["num_hidden_layers"]:
-        raise ValueError(f"config.json hybrid_override_pattern={pattern!r} must have one symbol per layer "
-                         f"(num_hidden_layers={hf['num_hidden_layers']})")
+    if not pattern and hf.get("layers_block_type"):
+        unknown = sorted({t for t in hf["layers_block_type"] if t not in _BLOCK_TYPE_SYMBOLS})
+        if unknown:
+            raise ValueError(f"config.json layers_block_type has unknown types {unknown}; "
+                             f"known: {sorted(_BLOCK_TYPE_SYMBOLS)}")
+        pattern = "".join(_BLOCK_TYPE_SYMBOLS[t] for t in hf["layers_block_type"])
+    if not pattern:
+        raise ValueError("config.json of a NemotronHForCausalLM has neither hybrid_override_pattern "
+                         "nor layers_block_type")
+    if hf.get("num_hidden_layers") not in (None, len(pattern)):
+        raise ValueError(f"hybrid pattern {pattern!r} has {len(pattern)} layers but num_hidden_layers="
+                         f"{hf['num_hidden_layers']}")
+    return pattern
+
+
+def _nemotron_h_config_kwargs(hf: dict[str, Any]) -> dict[str, Any]:
+    """TransformerConfig keyword arguments for Nemotron-H (architecture part only)."""
+    import torch.nn.functional as F
+
     if hf.get("mlp_hidden_act", "relu2") != "relu2":
         raise ValueError(f"mlp_hidden_act={hf.get('mlp_hidden_act')!r} is not supported; supported: ['relu2']")
+    if hf.get("moe_latent_size"):
+        raise ValueError("moe_latent_size (latent MoE) is not supported by this launcher's model builder")
+    pattern = nemotron_h_pattern(hf)
 
     def squared_relu(x):
         return F.relu(x) ** 2
 
     heads = hf["num_attention_heads"]
     kw = dict(
-        num_layers=hf["num_hidden_layers"],
+        num_layers=len(pattern),
         hidden_size=hf["hidden_size"],
         num_attention_heads=heads,
         num_query_groups=hf.get("num_key_value_heads") or heads,
@@ -233,35 +250,51 @@ def _build_nemotron_h(hf: dict[str, Any], dims: "ParallelDims", device: str, dty
         gated_linear_unit=False,
         activation_func=squared_relu,
         add_bias_linear=bool(hf.get("use_bias", False)),
+        is_hybrid_model=True,
         mamba_num_heads=hf.get("mamba_num_heads"),
         mamba_head_dim=hf.get("mamba_head_dim", 64),
         mamba_state_dim=hf.get("ssm_state_size", 128),
         mamba_num_groups=hf.get("n_groups", 8),
     )
     if "E" in pattern:
+        shared = hf.get("moe_shared_expert_intermediate_size")
+        n_shared = hf.get("n_shared_experts", 1)
+        groups = hf.get("n_group") or 1
         kw.update(
             num_moe_experts=hf["n_routed_experts"],
             moe_router_topk=hf["num_experts_per_tok"],
             moe_ffn_hidden_size=hf["moe_intermediate_size"],
-            moe_shared_expert_intermediate_size=hf.get("moe_shared_expert_intermediate_size"),
+            moe_shared_expert_intermediate_size=shared * n_shared if shared and n_shared else None,
             moe_router_score_function="sigmoid",
             moe_router_enable_expert_bias=True,
-            moe_router_topk_scaling_factor=hf.get("routed_scaling_factor"),
-            moe_router_num_groups=hf.get("n_group"),
-            moe_router_group_topk=hf.get("topk_group"),
+            moe_router_topk_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
             moe_router_pre_softmax=False,
         )
-    kw = {**_runtime_kwargs(device, dtype, dims, dispatcher), **kw}
+        if groups > 1:
+            kw.update(moe_router_num_groups=groups, moe_router_group_topk=hf.get("topk_group"))
+    return kw
+
+
+def _build_nemotron_h(hf: dict[str, Any], dims: "ParallelDims", device: str, dtype, dispatcher: str):
+    """Nemotron-H hybrid (Mamba + attention + MoE) model.  GPU + mamba_ssm only; not exercised here."""
+    from megatron.core import parallel_state
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+    from megatron.core.post_training.modelopt.hybrid.model_specs import get_hybrid_stack_modelopt_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    kw = {**_runtime_kwargs(device, dtype, dims, dispatcher), **_nemotron_h_config_kwargs(hf)}
     if "num_moe_experts" not in kw:
         for key in [k for k in kw if k.startswith("moe_")]:
             del kw[key]
     config = TransformerConfig(**kw)
     return HybridModel(
         config=config,
-        hybrid_stack_spec=get_hybrid_stack_modelopt_spec(use_default_te_spec=False),
+        # ModelOpt's PTQ spec: local linears (one quantizer each), TE attention only where TE imports
+        hybrid_stack_spec=get_hybrid_stack_modelopt_spec(
+            local_core_attention=not transformer_engine_available(), use_default_te_spec=False),
         vocab_size=hf["vocab_size"],
         max_sequence_length=hf.get("max_position_embeddings", 4096),
-        hybrid_layer_pattern=pattern,
+        hybrid_layer_pattern=nemotron_h_pattern(hf),
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
         parallel_output=False,

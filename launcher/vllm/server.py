@@ -23,8 +23,9 @@ OFFLINE_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "offli
 
 class VllmError(RuntimeError):
     def __init__(self, message: str, log_path: str = "", tail: Sequence[str] = (),
-                 error: Optional[str] = None):
+                 error: Optional[str] = None, info: Optional[dict] = None):
         self.tail = list(tail)
+        self.info = info or {}
         self.error_line = error or error_line(self.tail)
         detail = f" - vLLM said: {self.error_line}" if self.error_line else ""
         super().__init__(f"{message}{detail}" + (f" (log: {log_path})" if log_path else ""))
@@ -153,11 +154,11 @@ def run_offline(python: str, model_dir: str, prompts: Sequence[str], max_tokens:
             os.remove(p)
     if rc is None:
         raise VllmError(f"vLLM offline engine did not finish within {timeout_s:g} s",
-                        log_path, log_tail(log_path))
+                        log_path, log_tail(log_path), info=info)
     if "error" in result or rc != 0:
         first = (result.get("error") or "").splitlines()[:1]
         raise VllmError(f"vLLM offline engine failed (exit {rc})", log_path, log_tail(log_path),
-                        error=first[0][:500] if first else None)
+                        error=first[0][:500] if first else None, info=info)
     info.update({k: result.get(k) for k in ("load_s", "generate_s", "vllm_version")})
     info["startup_s"] = result.get("load_s")
     return result["texts"], info

@@ -1,0 +1,286 @@
+"""Helpers shared by the benchmark scripts (not product code; nothing here is imported by launcher/).
+
+* ``run_on_ranks`` - run ``module:function`` on N local gloo ranks as subprocesses (RANK,
+  WORLD_SIZE, MASTER_ADDR/PORT as torchrun sets them; OMP_NUM_THREADS=1), collect each rank's
+  JSON result; kill the ranks on timeout.
+* ``single_rank_env`` - the env:// variables for a world of one inside this process.
+* ``write_random_qwen3_moe`` / ``write_model_dir`` - HF checkpoint dirs (config.json + tokenizer
+  files; weights only when asked) for benchmarks that use random weights.
+* ``make_mmlu_hf_dir`` / ``check_mmlu_hf_dir`` - a local HF datasets dir (``all/test-*.parquet``
+  plus a README.md declaring config ``all``) that ``datasets.load_dataset(dir, "all",
+  split="test")`` - what ModelOpt's ``megatron_mmlu`` calls - can load offline.
+* ``markdown_table``, ``median_wall``, ``write_json``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Callable, Optional, Sequence
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH_DIR = os.path.join(REPO_ROOT, ".bench")
+MMLU_JSONL = os.path.join(BENCH_DIR, "mmlu", "test.jsonl")
+MMLU_HF_DIR = os.path.join(BENCH_DIR, "mmlu_hf")
+QWEN_TOKENIZER = os.path.join(BENCH_DIR, "qwen-tokenizer")
+
+if REPO_ROOT not in sys.path:
+    sys.path.insert(0, REPO_ROOT)
+
+
+# ----------------------------------------------------------------------------------- processes
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def single_rank_env() -> None:
+    """env:// rendezvous variables for world size 1 in this process (kept when already set)."""
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+
+
+def run_on_ranks(target: str, nprocs: int, kwargs: Optional[dict] = None, timeout_s: float = 900,
+                 env: Optional[dict] = None) -> list:
+    """Run ``target`` ("benchmarks.module:function") on ``nprocs`` gloo ranks; each rank's result."""
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="bench-ranks-") as workdir:
+        procs, logs = [], []
+        for rank in range(nprocs):
+            rank_env = {
+                **os.environ,
+                "RANK": str(rank), "WORLD_SIZE": str(nprocs), "LOCAL_RANK": str(rank),
+                "LOCAL_WORLD_SIZE": str(nprocs), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+                "PYTHONPATH": os.pathsep.join([REPO_ROOT, os.environ.get("PYTHONPATH", "")]),
+                "PYTHONWARNINGS": "ignore",
+                **(env or {}),
+            }
+            log = open(os.path.join(workdir, f"rank{rank}.log"), "w+")
+            logs.append(log)
+            procs.append(subprocess.Popen(
+                [sys.executable, os.path.abspath(__file__), target, json.dumps(kwargs or {}), workdir],
+                env=rank_env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
+                start_new_session=True))
+        deadline = time.time() + timeout_s
+        timed_out = False
+        while any(p.poll() is None for p in procs):
+            if time.time() > deadline:
+                timed_out = True
+                break
+            if any(p.returncode not in (None, 0) for p in procs):
+                grace = time.time() + 20
+                while time.time() < grace and any(p.poll() is None for p in procs):
+                    time.sleep(0.2)
+                break
+            time.sleep(0.2)
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)   # the process group of our own child
+                p.wait()
+        codes = [p.returncode for p in procs]
+        outputs = []
+        for log in logs:
+            log.seek(0)
+            outputs.append(log.read()[-4000:])
+            log.close()
+        if timed_out or any(c != 0 for c in codes):
+            detail = "\n".join(f"----- rank {r} (exit {c}) -----\n{o}"
+                               for r, (c, o) in enumerate(zip(codes, outputs)))
+            why = f"timed out after {timeout_s} s" if timed_out else f"exit codes {codes}"
+            raise RuntimeError(f"{target} on {nprocs} ranks: {why}\n{detail}")
+        results = []
+        for rank in range(nprocs):
+            with open(os.path.join(workdir, f"result{rank}.json")) as f:
+                results.append(json.load(f))
+        return results
+
+
+def _rank_main(target: str, kwargs_json: str, workdir: str) -> None:
+    import importlib
+
+    module_name, _, func_name = target.partition(":")
+    func = getattr(importlib.import_module(module_name), func_name)
+    result = func(**json.loads(kwargs_json))
+    rank = int(os.environ["RANK"])
+    tmp = os.path.join(workdir, f"result{rank}.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(result, f)
+    os.replace(tmp, os.path.join(workdir, f"result{rank}.json"))
+
+
+def median_wall(cmd: Sequence[str], runs: int = 3, cwd: str = REPO_ROOT, env: Optional[dict] = None,
+                timeout_s: float = 600) -> dict:
+    """Wall seconds of ``cmd`` as a subprocess: median, min, all runs (fails on a non-zero exit)."""
+    walls = []
+    for _ in range(runs):
+        t = time.perf_counter()
+        p = subprocess.run(list(cmd), cwd=cwd, env={**os.environ, **(env or {})}, capture_output=True,
+                           text=True, timeout=timeout_s)
+        walls.append(time.perf_counter() - t)
+        if p.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} exited {p.returncode}:\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}")
+    return {"median_s": statistics.median(walls), "min_s": min(walls), "runs_s": walls}
+
+
+# -------------------------------------------------------------------------------------- models
+
+def copy_tokenizer(src: str, dst: str) -> None:
+    os.makedirs(dst, exist_ok=True)
+    for name in os.listdir(src):
+        p = os.path.join(src, name)
+        if os.path.isfile(p) and name != "config.json" and not name.endswith((".safetensors", ".bin")):
+            shutil.copy2(p, os.path.join(dst, name))
+
+
+def write_model_dir(out: str, config: dict, tokenizer_dir: str) -> str:
+    """A checkpoint directory with ``config.json`` and the tokenizer files (no weights)."""
+    copy_tokenizer(tokenizer_dir, out)
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    return out
+
+
+def train_small_tokenizer(out: str, texts: Sequence[str], vocab: int = 1024) -> str:
+    """The tiny model's BPE tokenizer recipe (launcher.tiny.tokenizer) trained on ``texts``."""
+    from launcher.tiny.tokenizer import train_tokenizer
+
+    tok = train_tokenizer(texts, vocab)
+    tok.save_pretrained(out)
+    return out
+
+
+def write_random_qwen3_moe(out: str, tokenizer_dir: str, hidden: int = 128, layers: int = 4,
+                           heads: int = 4, kv_heads: int = 2, head_dim: int = 32, experts: int = 8,
+                           top_k: int = 2, moe_ffn: int = 128, seed: int = 0,
+                           max_positions: int = 4096) -> str:
+    """A random Qwen3-MoE HF checkpoint (fp32 safetensors) with the tokenizer of ``tokenizer_dir``."""
+    import torch
+    import transformers
+
+    copy_tokenizer(tokenizer_dir, out)
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    vocab = ((len(tok) + 127) // 128) * 128
+    eos = tok.eos_token_id if tok.eos_token_id is not None else 0
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, head_dim=head_dim, intermediate_size=4 * hidden,
+        moe_intermediate_size=moe_ffn, num_experts=experts, num_experts_per_tok=top_k,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+        max_position_embeddings=max_positions, rms_norm_eps=1e-6, rope_theta=10000.0,
+        tie_word_embeddings=False, hidden_act="silu", eos_token_id=eos, pad_token_id=eos,
+        bos_token_id=None)
+    torch.manual_seed(seed)
+    model = transformers.Qwen3MoeForCausalLM(config).float().eval()
+    with torch.no_grad():  # wider than the 0.02 default so the four choice logits differ visibly
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.08)
+    model.save_pretrained(out)
+    return out
+
+
+# ----------------------------------------------------------------------------------- MMLU data
+
+_README = """---
+configs:
+- config_name: all
+  data_files:
+  - split: test
+    path: all/test-*.parquet
+---
+# MMLU test split (cais/mmlu schema), local copy for the benchmarks
+
+Built by benchmarks/_common.py make_mmlu_hf_dir from {src}.
+`datasets.load_dataset(<this dir>, "all", split="test")` loads it offline.
+"""
+
+
+def read_jsonl(path: str) -> list[dict]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def make_mmlu_hf_dir(jsonl: str = MMLU_JSONL, out: str = MMLU_HF_DIR, force: bool = False) -> str:
+    """``out/all/test-00000-of-00001.parquet`` + ``out/README.md`` from a cais-schema jsonl."""
+    target = os.path.join(out, "all", "test-00000-of-00001.parquet")
+    if os.path.isfile(target) and os.path.isfile(os.path.join(out, "README.md")) and not force:
+        return out
+    import datasets
+
+    rows = read_jsonl(jsonl)
+    features = datasets.Features({
+        "question": datasets.Value("string"),
+        "subject": datasets.Value("string"),
+        "choices": datasets.Sequence(datasets.Value("string")),
+        "answer": datasets.ClassLabel(num_classes=4, names=["A", "B", "C", "D"]),
+    })
+    ds = datasets.Dataset.from_dict({
+        "question": [r["question"] for r in rows],
+        "subject": [r["subject"] for r in rows],
+        "choices": [list(r["choices"]) for r in rows],
+        "answer": [int(r["answer"]) for r in rows],
+    }, features=features)
+    os.makedirs(os.path.join(out, "all"), exist_ok=True)
+    ds.to_parquet(target + ".tmp")
+    os.replace(target + ".tmp", target)
+    with open(os.path.join(out, "README.md"), "w") as f:
+        f.write(_README.format(src=os.path.relpath(jsonl, REPO_ROOT)))
+    return out
+
+
+def check_mmlu_hf_dir(hf_dir: str = MMLU_HF_DIR, jsonl: str = MMLU_JSONL) -> int:
+    """Load ``hf_dir`` exactly as megatron_mmlu does and assert it equals ``jsonl`` row by row."""
+    import datasets
+
+    ds = datasets.load_dataset(hf_dir, "all", split="test")
+    rows = read_jsonl(jsonl)
+    if len(ds) != len(rows):
+        raise AssertionError(f"{hf_dir}: {len(ds)} rows, {jsonl}: {len(rows)}")
+    for i, (a, b) in enumerate(zip(ds, rows)):
+        if (a["question"], a["subject"], list(a["choices"]), int(a["answer"])) != (
+                b["question"], b["subject"], list(b["choices"]), int(b["answer"])):
+            raise AssertionError(f"row {i} differs between {hf_dir} and {jsonl}")
+    return len(ds)
+
+
+# ------------------------------------------------------------------------------------- output
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence]) -> str:
+    def fmt(v):
+        if isinstance(v, float):
+            return f"{v:,.3f}" if abs(v) < 100 else f"{v:,.1f}"
+        return str(v)
+
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(fmt(v) for v in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def write_json(path: str, doc: dict) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(doc, f, indent=2, default=str)
+        f.write("\n")
+    os.replace(path + ".tmp", path)
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    sys.path[:0] = [REPO_ROOT]
+    _rank_main(*sys.argv[1:4])

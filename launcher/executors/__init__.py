@@ -1,0 +1,1 @@
+"""Executors: local processes or Slurm jobs, one StagePlan per stage."""

@@ -1,0 +1,16 @@
+"""Shared fixtures: the tiny embedded-default model (built once, cached by its recipe hash)."""
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY_EXAMPLE = os.path.join(ROOT, "examples", "tiny", "Qwen3-MoE-tiny", "megatron_lm_ptq.yaml")
+
+
+@pytest.fixture(scope="session")
+def tiny_dir():
+    """<cache>/tiny/Qwen3-MoE-tiny: hf/ (checkpoint + tokenizer), mmlu/ (CSV + jsonl), calib.jsonl."""
+    pytest.importorskip("torch")
+    from launcher.tiny import ensure_tiny_model
+
+    return str(ensure_tiny_model())

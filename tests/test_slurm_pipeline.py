@@ -1,0 +1,44 @@
+"""The tiny pipeline end to end through a real Slurm cluster: one sbatch job per stage, 4 srun tasks.
+
+quantize (EP4) -> mmlu (EP4) -> export (PP4) -> vllm_smoke (skip: NVFP4 on CPU), chained with
+afterok; `launch` follows the jobs and exits with the pipeline's status; `launch status` reads
+each stage's state back from Slurm.
+"""
+import json
+import os
+
+import pytest
+
+from conftest import TINY_EXAMPLE
+
+try:
+    from slurm_cluster import slurm_cluster  # noqa: F401
+except ImportError:  # pragma: no cover
+    from tests.slurm_cluster import slurm_cluster  # noqa: F401
+
+from launcher.cli import main
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(1500)]
+
+
+def test_tiny_pipeline_through_slurm(slurm_cluster, tiny_dir, tmp_path, capsys):
+    rc = main([TINY_EXAMPLE, *slurm_cluster.launch_overrides(), f"runs_root={tmp_path}"])
+    out = capsys.readouterr().out
+    assert rc == 0, out[-4000:] + slurm_cluster.logs_tail()
+    job_dir = tmp_path / "tiny-qwen3-moe-nvfp4"
+    (run_dir,) = list(job_dir.iterdir())
+    meta = json.loads((run_dir / "metadata.json").read_text())
+    assert meta["executor"] == "slurm"
+    assert [meta["stages"][s]["status"] for s in ("quantize", "mmlu", "export", "vllm_smoke")] == [
+        "completed", "completed", "completed", "skipped"], meta
+    jobs = json.loads((run_dir / "slurm" / "jobs.json").read_text())["stages"]
+    assert len({j["job_id"] for j in jobs.values()}) == 4
+    assert "--ntasks=4" in (run_dir / "slurm" / "quantize.sbatch").read_text()
+    results = json.loads((run_dir / "mmlu" / "results.json").read_text())
+    assert results["pass"] is True
+    assert json.loads((run_dir / "export" / "verify.json").read_text())["passed"] is True
+    assert main(["status", str(run_dir)]) == 0
+    status = capsys.readouterr().out
+    for stage in ("quantize", "mmlu", "export", "vllm_smoke"):
+        assert f"{stage}" in status and "COMPLETED" in status
+    assert slurm_cluster.active_jobs() == []
