@@ -183,15 +183,14 @@ class StatusVerb:
 
 
 class VerifyVerb:
-    """`launch verify EXPORT_DIR [--recipe NAME] [--source HF_DIR]`: check an HF export."""
+    """`launch verify EXPORT_DIR [--recipe NAME] [--source HF_DIR] [--num-layers N] [--num-experts N]
+    [--samples N] [--json]`: check an HF export (its own flags; see launcher.export.verify)."""
 
-    def __call__(self, args: Args) -> int:
+    raw_argv = True
+
+    def __call__(self, argv: list[str]) -> int:
         from launcher.export.verify import verify_export_main
 
-        argv = list(args.positional)
-        for flag in ("--recipe", "--source"):
-            if args.flag(flag):
-                argv += [flag, str(args.flag(flag))]
         return verify_export_main(argv)
 
 
@@ -221,6 +220,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             argv = argv[1:]
         else:
             verb_cls = RunVerb
+        if getattr(verb_cls, "raw_argv", False):
+            return verb_cls()(argv)
         args = parse_args(argv)
         if args.flag("--help") or args.flag("-h") or not argv:
             print(__doc__)

@@ -269,6 +269,7 @@ def test_swapped_expert_data_fails_value_check(exports, tmp_path):
 def test_wrong_format_and_missing_quant_config_are_reported(exports):
     errors = _verify(exports["nvfp4"], "fp8")["errors"]
     assert "hf_quant_config.json quantization.quant_algo='NVFP4', expected FP8 for recipe format fp8" in errors
+    assert "config.json quantization_config.quant_algo='NVFP4', expected FP8 for recipe format fp8" in errors
     errors = _verify(exports["none"], "nvfp4")["errors"]
     assert "hf_quant_config.json is missing (recipe format nvfp4 needs quant_algo NVFP4 or W4A16_NVFP4)" in errors
     assert any(e.startswith("model.layers.0.self_attn.q_proj.weight stayed float32") for e in errors)
@@ -348,3 +349,59 @@ def test_export_at_ep_or_tp_above_one_is_refused(key):
     with pytest.raises(ConfigError, match=rf"stages\.export\.parallel\.{key}=4: must be 1: ModelOpt's "
                                           r"Megatron->HF export silently corrupts"):
         validate(cfg, check_paths=False)
+
+
+# ---------------------------------------------------------------- the stated tolerance vs Megatron references
+
+def _references_from_export(d: str, modules: list[str]) -> dict:
+    from launcher.export.safetensors_dir import read_all_headers
+    from launcher.export.verify_values import dequantized
+
+    tensors, _ = read_all_headers(d)
+    return {m: ("expert", t) for m, t in dequantized(d, modules, tensors, "nvfp4").items()}
+
+
+def test_reference_tolerance_admits_a_rare_rounding_tie_only(exports):
+    """One element one E2M1 step off passes (a GPU rounding tie); many, or wrong data, fail."""
+    from launcher.export.dequant import quantization_step
+    from launcher.export.safetensors_dir import load_tensors, read_all_headers
+    from launcher.export.verify_values import compare_references
+
+    d = exports["nvfp4"]
+    a, b = "model.layers.0.mlp.experts.1.gate_proj", "model.layers.0.mlp.experts.2.gate_proj"
+    refs = _references_from_export(d, [a, b])
+    tensors, _ = read_all_headers(d)
+    parts = load_tensors(d, [f"{a}.{leaf}" for leaf in ("weight", "weight_scale", "weight_scale_2")], tensors)
+    step = quantization_step("nvfp4", {k.rsplit(".", 1)[1]: v for k, v in parts.items()})
+    one_tie = refs[a][1].clone()
+    one_tie[3, 5] += step[3, 5]
+    [ok] = compare_references(d, {a: ("expert", one_tie)}, "nvfp4")
+    assert "error" not in ok and ok["mismatched"] == ok["flips"] == 1 and ok["bit_exact"] is False
+    many = refs[a][1] + step   # every element one step off: beyond the mismatch fraction
+    [bad] = compare_references(d, {a: ("expert", many)}, "nvfp4")
+    assert bad["error"].startswith(f"{a}: exported weight differs from the Megatron model's fake-quantized weight: "
+                                   f"{many.numel()} of {many.numel()} elements rounded differently")
+    [swapped] = compare_references(d, {a: ("expert", refs[b][1])}, "nvfp4")
+    assert "beyond one quantization step" in swapped["error"]
+    [exact] = compare_references(d, {a: refs[a]}, "nvfp4")
+    assert exact["bit_exact"] and exact["max_abs_diff"] == 0.0
+
+
+def test_quantization_step_is_the_gap_to_a_neighbouring_e2m1_value():
+    import torch
+
+    from launcher.export.dequant import E2M1_MAGNITUDES, dequantize_nvfp4, pack_e2m1, quantization_step
+
+    codes = torch.arange(16).repeat(2).reshape(2, 16)
+    packed = pack_e2m1(codes)
+    scale = torch.full((2, 1), 2.0).to(torch.float8_e4m3fn)
+    scale_2 = torch.tensor(0.5)
+    values = dequantize_nvfp4(packed, scale, scale_2)
+    step = quantization_step("nvfp4", {"weight": packed, "weight_scale": scale, "weight_scale_2": scale_2})
+    mags = sorted(E2M1_MAGNITUDES)
+    for i, code in enumerate(codes[0].tolist()):
+        m = E2M1_MAGNITUDES[code & 7]
+        k = mags.index(m)
+        neighbours = [abs(mags[j] - m) for j in (k - 1, k + 1) if 0 <= j < len(mags)]
+        assert step[0, i].item() == max(neighbours) * 1.0, (code, step[0, i])
+        assert values[0, i].item() == (-m if code & 8 else m) * 1.0

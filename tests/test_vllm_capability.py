@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -190,6 +189,15 @@ def test_summarize_counts_empty_and_unscored():
     s = q.summarize(qs, [" A", "  ", "x"])
     assert (s["n"], s["n_scored"], s["n_correct"], s["accuracy"]) == (3, 2, 1, 0.5)
     assert s["empty_responses"] == ["b"]
+
+
+def test_verdict():
+    ok = {"empty_responses": [], "accuracy": 0.75, "n_correct": 3, "n_scored": 4}
+    assert q.verdict(ok, 0.5) == []
+    assert q.verdict(ok, 0.75) == []
+    assert q.verdict(ok, 0.8) == ["accuracy 0.750 (3/4) < min_accuracy 0.8"]
+    assert "1 empty answer(s): q7" in q.verdict({**ok, "empty_responses": ["q7"]}, 0.5)[0]
+    assert q.verdict({**ok, "accuracy": None, "n_scored": 0}, 0.9) == []
 
 
 def test_spaced():

@@ -10,6 +10,8 @@
 * offline mode with a jsonl of prompts.
 
 Needs .venv-vllm (`make vllm-venv` / scripts/setup_vllm_venv.sh): skipped otherwise.
+The model is launcher.tiny's build (built on first use); PTQ_VLLM_TEST_MODEL_ROOT=<dir with hf/
+and mmlu/test.jsonl> points the tests at another one.
 Run: .venv/bin/python -m pytest -m vllm tests/test_vllm_smoke.py -v
 """
 from __future__ import annotations
@@ -47,6 +49,9 @@ NVFP4_QUANT_CONFIG = {
 
 
 def _ensure_tiny():
+    override = os.environ.get("PTQ_VLLM_TEST_MODEL_ROOT")   # <root>/hf + <root>/mmlu/test.jsonl
+    if override:
+        return Path(override)
     try:
         from launcher.tiny import ensure_tiny_model
     except ImportError:

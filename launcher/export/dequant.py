@@ -98,3 +98,28 @@ def dequantize_module(fmt: str, tensors: dict):
     if fmt == "fp8":
         return dequantize_fp8(tensors["weight"], tensors["weight_scale"])
     raise ValueError(f"cannot dequantize format {fmt!r}; supported: nvfp4, fp8")
+
+
+# Largest gap from an E2M1 magnitude (codes 0..7) to a neighbouring representable magnitude.
+_E2M1_GAP = (0.5, 0.5, 0.5, 0.5, 1.0, 1.0, 2.0, 2.0)
+
+
+def quantization_step(fmt: str, tensors: dict):
+    """fp32 ``[out, in]``: per element, the distance to the next representable value of the
+    exported format (what one rounding decision taken the other way changes it by)."""
+    import torch
+
+    if fmt == "nvfp4":
+        w, scale, scale_2 = tensors["weight"], tensors["weight_scale"], tensors["weight_scale_2"]
+        codes = torch.stack([w & 0x07, (w >> 4) & 0x07], dim=-1).reshape(w.shape[0], -1).long()
+        gaps = torch.tensor(_E2M1_GAP)[codes].view(w.shape[0], -1, NVFP4_BLOCK)
+        block = scale.to(torch.float32) * scale_2.to(torch.float32).reshape(())
+        return (gaps * block.unsqueeze(-1)).reshape(w.shape[0], -1)
+    if fmt == "fp8":
+        v = tensors["weight"].to(torch.float32).abs()
+        exponent = torch.floor(torch.log2(v.clamp_min(2.0 ** -6)))
+        ulp = torch.pow(2.0, exponent - 3)           # e4m3: 3 mantissa bits; subnormals 2^-9
+        scale = tensors["weight_scale"].to(torch.float32)
+        scale = scale.reshape(()) if scale.numel() == 1 else scale.reshape(-1, 1)
+        return 2.0 * ulp * scale                      # the gap above may be the next binade's
+    raise ValueError(f"no quantization step for format {fmt!r}; supported: nvfp4, fp8")

@@ -88,7 +88,7 @@ def read_all_headers(directory: str) -> tuple[dict[str, TensorInfo], list[str]]:
 
 
 def checkpoint_tensor_names(directory: str) -> dict[str, TensorInfo]:
-    """The tensors of an HF checkpoint directory (index if present, else every shard)."""
+    """The tensors of every .safetensors file of an HF checkpoint directory (from headers)."""
     tensors, _ = read_all_headers(directory)
     if not tensors:
         raise ValueError(f"{directory} holds no .safetensors files")

@@ -139,10 +139,12 @@ def check_quant_config(export_dir: str, fmt: str, findings: Findings) -> tuple[l
         findings.error(f"config.json has no quantization_config (recipe format {fmt} needs quant_algo "
                        f"{' or '.join(want['quant_algo'])}): servers would load the checkpoint as unquantized")
     else:
-        if qc.get("quant_algo") != quant.get("quant_algo", qc.get("quant_algo")) or \
-                qc.get("quant_algo") not in want["quant_algo"]:
+        if qc.get("quant_algo") not in want["quant_algo"]:
             findings.error(f"config.json quantization_config.quant_algo={qc.get('quant_algo')!r}, expected "
-                           f"{quant.get('quant_algo') or ' or '.join(want['quant_algo'])!r}")
+                           f"{' or '.join(want['quant_algo'])} for recipe format {fmt}")
+        elif quant and qc.get("quant_algo") != quant.get("quant_algo"):
+            findings.error(f"config.json quantization_config.quant_algo={qc.get('quant_algo')!r} differs from "
+                           f"hf_quant_config.json's {quant.get('quant_algo')!r}")
         if qc.get("quant_method") != "modelopt":
             findings.error(f"config.json quantization_config.quant_method={qc.get('quant_method')!r}, expected 'modelopt'")
         if "group_size" in want:

@@ -6,7 +6,8 @@ megatron-core code.  ``apply_cpu_compat()`` is idempotent and must only be calle
 uses ``device == "cpu"``: it refuses (AssertionError) when CUDA is available, because replacing
 ``torch.cuda.*`` on a GPU process would silently break the real CUDA paths.
 
-Each shim, and what breaks without it (measured with megatron-core 0.19.2, modelopt 0.47.0):
+Each shim, and what breaks without it (megatron-core 0.19.2, modelopt 0.47.0; established by the
+CPU probes, ../shared/notes/cpu-megatron.md):
 
 ``current_device``
     ``torch.cuda.current_device()`` returns ``"cpu"``; ``torch.cuda.synchronize`` is a no-op.

@@ -1,6 +1,18 @@
 """MMLU gate: data sources, lm-eval prompts, batching, EP-safe shard plans, desync guard, gate.
 
-Pure Python (no torch import): ``data``, ``prompts``, ``batching``, ``sharding``, ``gate``.
-Torch side: ``guard`` (gloo all-gather per step), ``evaluate`` (runs a plan on a Megatron model).
-The stage itself is ``launcher.stages.mmlu``.
+Pure Python (no torch import):
+    data.load_mmlu(source, split="test", subjects=None) -> list[Question]
+    data.load_dev(dataset, dev_dataset=None) -> list[Question]
+    data.check_source(path, key="stages.mmlu.dataset") -> "hf_dir"|"csv_dir"|"jsonl"|"hub"
+    prompts.select_fraction(questions, fraction, seed=None); prompts.build_prompts(qs, dev, k)
+    prompts.choice_token_ids(tokenizer); prompts.encode_prompts(prompts, tok, add_bos, max_seq_len)
+    batching.make_batches(lengths, batch_size, max_batch_tokens) -> list[Batch]
+    batching.padding_efficiency(batches)
+    sharding.plan_shards(shapes, dims, mode, dispatcher, allow_unsafe) -> ShardPlan
+    sharding.resolve_mode(mode, ep, allow_unsafe)
+    gate.wilson_interval(correct, n); gate.decide(...) -> GateDecision; gate.check_gate_config(...)
+Torch side:
+    guard.StepGuard / guard.make_groups / guard.DesyncError (exit code EXIT_DESYNC)
+    evaluate.run_plan / evaluate.evaluate_model / evaluate.gather_to_rank0
+The stage itself is ``launcher.stages.mmlu`` (``prepare``, ``build_results``, ``run``).
 """

@@ -3,9 +3,9 @@
 Protocol (per component of the plan: the ranks joined by EP/TP/PP/CP/ETP groups):
 
 * before forward ``s`` a rank calls ``check(s, n_steps, padded_len, rows)``; after its last step
-  it calls ``finish(n_steps)`` - one all-gather of a record
-  ``(step, n_steps, padded_len, rows, done, shape_key)`` per call, on a dedicated gloo group with
-  the stage's ``collective_timeout_s``;
+  it calls ``finish(n_steps)`` - one all-gather per call of a record
+  ``(step, n_steps, padded_len, rows, done, shape_key, plan digest)`` on a dedicated gloo group
+  with the stage's ``collective_timeout_s``;
 * every rank therefore makes its k-th guard call at its k-th step (or at its end): the first
   call already exchanges ``n_steps``, so a disagreement is seen by every rank at the same call,
   and all raise ``DesyncError`` together (no rank is left waiting in a model collective); a rank
@@ -31,7 +31,17 @@ class DesyncError(StageFailed):
         super().__init__(message, exit_code=EXIT_DESYNC)
 
 
-FIELDS = ("step", "n_steps", "padded_len", "rows", "done", "shape_key")
+FIELDS = ("step", "n_steps", "padded_len", "rows", "done", "shape_key", "plan")
+
+
+def plan_digest(plan) -> int:
+    """63-bit digest of the whole plan: ranks that tokenized different data disagree on it."""
+    import hashlib
+    import json
+
+    blob = json.dumps([plan.mode, plan.dispatcher, plan.world_size,
+                       [[(s.batch, s.padded_len, s.rows) for s in st] for st in plan.steps]])
+    return int(hashlib.sha256(blob.encode()).hexdigest()[:15], 16)
 
 
 def make_groups(plan, timeout_s: float):
@@ -57,13 +67,14 @@ class StepGuard:
         self.group = groups.get(self.comp_index)
         self.check_shapes_all = plan.dispatcher == "allgather"
         self.shape_key = 0 if self.check_shapes_all else plan.shard_of_rank[rank]
+        self.digest = plan_digest(plan)
         self.calls = 0
 
     def check(self, step: int, n_steps: int, padded_len: int, rows: int) -> None:
-        self._exchange([step, n_steps, padded_len, rows, 0, self.shape_key])
+        self._exchange([step, n_steps, padded_len, rows, 0, self.shape_key, self.digest])
 
     def finish(self, n_steps: int) -> None:
-        self._exchange([n_steps, n_steps, -1, -1, 1, self.shape_key])
+        self._exchange([n_steps, n_steps, -1, -1, 1, self.shape_key, self.digest])
 
     def _exchange(self, record: list[int]) -> None:
         self.calls += 1
@@ -102,6 +113,8 @@ class StepGuard:
         def differ(key):
             return len({v[key] for v in records.values()}) > 1
 
+        if differ("plan"):
+            return "ranks computed different shard plans (different data, tokenizer or config?)"
         if differ("n_steps"):
             return "ranks disagree on the number of forward steps"
         if differ("step") or differ("done"):

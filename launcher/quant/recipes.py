@@ -106,6 +106,25 @@ def resolve_quant_cfg(recipe, base_dir: str | None = None) -> dict[str, Any] | N
     return cfg
 
 
+# Calibration algorithms whose ModelOpt 0.47 implementation desyncs expert-parallel ranks: awq
+# issues one data-parallel collective per linear whose local token count was > 0, so at EP>1 an
+# expert that received no tokens on one rank changes the collective sequence (gloo aborts with
+# "Received data size doesn't match expected size"; NCCL would hang).  Measured on CPU/gloo with
+# NVFP4_AWQ_LITE_CFG at EP4; the same recipe works at EP1 (any DP).
+EP_UNSAFE_ALGORITHMS = ("awq_lite", "awq_full", "awq_clip")
+
+
+def check_recipe_layout(cfg: dict[str, Any] | None, ep: int, recipe_name: str = "") -> None:
+    """ValueError when the recipe's calibration cannot run at this expert-parallel degree."""
+    algorithm = calibration_algorithm(cfg)
+    if ep > 1 and algorithm in EP_UNSAFE_ALGORITHMS:
+        raise ValueError(
+            f"recipe {recipe_name!r} calibrates with {algorithm!r}, which desyncs expert-parallel ranks "
+            f"in ModelOpt's implementation (collectives depend on per-rank expert token counts); "
+            f"run the quantize stage with ep=1 (stages.quantize.parallel.ep=1) or use a max-calibrated "
+            f"recipe; got ep={ep}")
+
+
 def calibration_algorithm(cfg: dict[str, Any] | None) -> str | None:
     if cfg is None:
         return None

@@ -8,7 +8,8 @@ the exported weights of its sampled linears with the fake-quantized weights of i
 model; rank 0 runs ``launcher.export.verify.verify_export`` over the whole directory.  Only a
 verified export is renamed to ``export/<name>``; a failed one is kept as ``<name>.rejected`` for
 inspection, verify.json says why, and the stage fails on every rank with the first problems.
-An existing export/<name> is never replaced unless stages.export.overwrite is true.
+An existing export/<name> is never replaced unless stages.export.overwrite is true (then it is
+removed even when the new export fails: export/<name> only ever sits next to a passing verify.json).
 """
 from __future__ import annotations
 
@@ -21,14 +22,26 @@ from launcher.stages.context import StageContext, StageFailed, write_json_atomic
 TMP_SUFFIX = ".tmp-export"
 REJECTED_SUFFIX = ".rejected"
 MAX_ERRORS_IN_MESSAGE = 5
+# Rank 0 verifies alone (a recipe-none round trip reads every tensor twice: minutes for a 100B
+# model) while the others wait; they wait on a gloo group of their own with this timeout, not on
+# the stage's collective timeout (120 s by default).
+VERIFY_WAIT_TIMEOUT_S = 6 * 3600
 
 
-def _broadcast(value):
+def _broadcast(value, group=None):
     import torch.distributed as dist
 
     box = [value]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
+
+
+def _long_wait_group():
+    import datetime
+
+    import torch.distributed as dist
+
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=VERIFY_WAIT_TIMEOUT_S))
 
 
 def _gather(value) -> list:
@@ -39,7 +52,7 @@ def _gather(value) -> list:
     return out
 
 
-def _on_rank0(ctx: StageContext, fn):
+def _on_rank0(ctx: StageContext, fn, group=None):
     """Run ``fn`` on rank 0; every rank gets (result, error message) - no rank is left hanging."""
     result, error = None, None
     if ctx.rank == 0:
@@ -47,18 +60,22 @@ def _on_rank0(ctx: StageContext, fn):
             result = fn()
         except Exception as e:  # noqa: BLE001 - shared with every rank, then raised there
             error = f"{type(e).__name__}: {e}"
-    return _broadcast((result, error))
+    return _broadcast((result, error), group)
 
 
-def _references(ctx: StageContext, model, fmt: str, export_dir: str) -> tuple[list, set]:
-    """(this rank's dequant-vs-Megatron results, HF names of modules it quantized)."""
+def _references(ctx: StageContext, model, fmt: str, export_dir: str):
+    """(this rank's dequant-vs-Megatron results, HF names of modules it quantized), or
+    (None, reason) when the model's layout has no HF name mapping (hybrid models)."""
     from megatron.core import parallel_state as ps
 
     from launcher.export.megatron_ref import (
         fake_quantized_references, linear_modules, quantized_hf_modules, select_samples)
     from launcher.export.verify_values import compare_references
 
-    linears = linear_modules(model)
+    try:
+        linears = linear_modules(model)
+    except ValueError as e:
+        return None, f"dequantized weights not compared with the Megatron model: {e}"
     quantized = quantized_hf_modules(model)
     if ps.get_data_parallel_rank() != 0:  # DP replicas hold the same layers: one compares
         return [], quantized
@@ -99,11 +116,26 @@ def _verify(ctx: StageContext, tmp: str, fmt: str, expected_dtype: str, results:
         reference_results=results, samples=int(ctx.stage_cfg.verify_samples))
 
 
+def _readable_by_umask(directory: str) -> None:
+    """safetensors writes shards as 0600; give every file the mode the process umask allows, so a
+    server running as another user (vLLM on a shared cluster) can read the checkpoint."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for name in os.listdir(directory):
+        os.chmod(os.path.join(directory, name), 0o666 & ~umask)
+
+
 def _publish(tmp: str, final: str, ok: bool, overwrite: bool) -> str:
+    """Rename ``tmp`` to ``final`` (verified) or ``final.rejected``.  Invariant: export/<name>
+    exists only next to a verify.json that passed for it, so a failed re-export with overwrite
+    also removes the export it was asked to replace."""
+    _readable_by_umask(tmp)
     target = final if ok else final + REJECTED_SUFFIX
-    if os.path.exists(target):
-        if ok and not overwrite:
+    if os.path.exists(final) and (ok or overwrite):
+        if not overwrite:
             raise StageFailed(f"{final} appeared during the export; refusing to overwrite it")
+        shutil.rmtree(final)
+    if os.path.exists(target):
         shutil.rmtree(target)
     os.replace(tmp, target)
     return target
@@ -153,13 +185,15 @@ def run(ctx: StageContext) -> None:
     t = time.time()
     expected_dtype = str(resolve_dtype(stage.dtype, ctx.device)).replace("torch.", "")
     results, quantized = _references(ctx, model, fmt, tmp)
-    gathered = _gather((results, sorted(quantized)))
-    all_results = [r for rank_results, _ in gathered for r in rank_results]
-    all_quantized = {n for _, names in gathered for n in names}
+    gathered = _gather((results, sorted(quantized) if results is not None else quantized))
+    unmapped = sorted({names for rank_results, names in gathered if rank_results is None})
+    all_results = None if unmapped else [r for rank_results, _ in gathered for r in rank_results]
+    all_quantized = None if unmapped else {n for _, names in gathered for n in names}
 
     def verify_and_publish():
         try:
             report = _verify(ctx, tmp, fmt, expected_dtype, all_results, all_quantized)
+            report["warnings"] = list(unmapped) + report["warnings"]
         except Exception as e:  # noqa: BLE001 - a verifier crash is a failed verification
             report = {"ok": False, "errors": [f"verification crashed: {type(e).__name__}: {e}"]}
         timings["verify_s"] = round(time.time() - t, 2)
@@ -170,7 +204,13 @@ def run(ctx: StageContext) -> None:
         return {"ok": report["ok"], "errors": report["errors"], "export_dir": report["export_dir"],
                 "size": report.get("size")}
 
-    summary, err = _on_rank0(ctx, verify_and_publish)
+    import torch.distributed as dist
+
+    wait_group = _long_wait_group()
+    try:
+        summary, err = _on_rank0(ctx, verify_and_publish, wait_group)
+    finally:
+        dist.destroy_process_group(wait_group)
     if err:
         raise StageFailed(f"export verification could not complete: {err}")
     if not summary["ok"]:

@@ -124,6 +124,9 @@ def run(ctx: StageContext) -> None:
     tokenizer = load_tokenizer(cfg.model.path, bool(cfg.model.get("trust_remote_code", False)))
     prepared = prepare(scfg, tokenizer)
     timings["prepare_s"] = time.time() - t0
+    if prepared.truncated:
+        ctx.warn(f"{prepared.truncated} prompt(s) longer than stages.mmlu.max_seq_len="
+                 f"{scfg.max_seq_len} were left-truncated (the question end is kept)")
     ctx.log(f"{len(prepared.prompts)} questions, {len(prepared.batches)} batches, padding "
             f"efficiency {padding_efficiency(prepared.batches):.3f}, shard_mode={scfg.shard_mode}")
 

@@ -59,13 +59,14 @@ def run(ctx: StageContext) -> None:
     from launcher.megatron.hf_io import import_hf_weights
     from launcher.megatron.models import build_model, unwrap_model
     from launcher.quant.calibration import calibration_batches
-    from launcher.quant.recipes import calibration_algorithm, resolve_quant_cfg
+    from launcher.quant.recipes import calibration_algorithm, check_recipe_layout, resolve_quant_cfg
     from launcher.quant.summary import check_summary, gather_summary
 
     cfg, stage = ctx.cfg, ctx.stage_cfg
     recipe = cfg.recipe
     timings: dict[str, float] = {}
     quant_cfg = resolve_quant_cfg(recipe)
+    check_recipe_layout(quant_cfg, ctx.dims.ep, recipe.name)
     should_quantize = quant_cfg is not None
     ctx.log(f"recipe {recipe.name} (format {recipe.format}); layout {ctx.dims.describe()} on {ctx.device}")
 

@@ -170,13 +170,7 @@ def run(ctx: StageContext) -> None:
     summary = smoke_q.summarize(qs, responses)
     record.update(summary)
     acc, n_scored = summary["accuracy"], summary["n_scored"]
-    problems = []
-    if summary["empty_responses"]:
-        problems.append(f"{len(summary['empty_responses'])} empty answer(s): "
-                        f"{', '.join(summary['empty_responses'][:5])}")
-    if acc is not None and acc < float(sc.min_accuracy):
-        problems.append(f"accuracy {acc:.3f} ({summary['n_correct']}/{n_scored}) < "
-                        f"min_accuracy {float(sc.min_accuracy):g}")
+    problems = smoke_q.verdict(summary, float(sc.min_accuracy))
     record["passed"] = not problems
     record["failure"] = "; ".join(problems) or None
     timings["total_s"] = round(time.monotonic() - t_start, 2)
@@ -189,5 +183,8 @@ def run(ctx: StageContext) -> None:
         ctx.warn("no question has an expected answer: only 'non-empty' was checked")
     if problems:
         _show_tail(ctx, log_path)
+        bad = [r for r in summary["questions"] if r["correct"] is False or not r["response"].strip()]
+        for r in bad[:5]:
+            ctx.warn(f"{r['id']}: expected {r['expected'] or r['contains']!r}, got {r['response']!r}")
         raise StageFailed(f"vllm_smoke failed: {record['failure']} "
                           f"(see {os.path.join(ctx.stage_dir, 'responses.json')})")

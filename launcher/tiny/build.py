@@ -106,8 +106,12 @@ def ensure_tiny_model(cache_root: str | os.PathLike | None = None, *, out_dir: s
     with _locked(target.parent / f".{target.name}.lock"):
         if not force and is_current(target, recipe):   # another process built it meanwhile
             return target
+        # Leftovers of a builder that was killed (only lock holders create these names).
+        for stale in list(target.parent.glob(f".{target.name}.tmp-*")) + list(target.parent.glob(f".{target.name}.old-*")):
+            shutil.rmtree(stale, ignore_errors=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
         try:
+            os.chmod(tmp, 0o755)
             build_into(tmp, recipe, log)
             old = None
             if target.exists():
@@ -128,10 +132,11 @@ def build_into(out: Path, recipe: Recipe, log: Log = _stderr) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3MoeForCausalLM
 
     from launcher.tiny import synthetic_mmlu as sm
-    from launcher.tiny.tokenizer import train_tokenizer
+    from launcher.tiny.tokenizer import save_tokenizer, train_tokenizer
     from launcher.tiny.train import make_config, score, train
 
     t0 = time.perf_counter()
+    rhash = recipe_hash(recipe)   # of the code that runs now, not of what is on disk at the end
     threads = torch.get_num_threads()
     det = torch.are_deterministic_algorithms_enabled()
     torch.set_num_threads(recipe.threads)
@@ -154,7 +159,7 @@ def build_into(out: Path, recipe: Recipe, log: Log = _stderr) -> dict:
 
         hf = out / "hf"
         model.save_pretrained(hf)
-        tokenizer.save_pretrained(hf)
+        save_tokenizer(tokenizer, hf)
         sm.write_mmlu(str(out / "mmlu"), task.test, task.dev)
         sm.write_calib(str(out / "calib.jsonl"), calib)
 
@@ -174,7 +179,7 @@ def build_into(out: Path, recipe: Recipe, log: Log = _stderr) -> dict:
                                f"{recipe.min_accuracy}; the recipe needs more training")
         info = {
             "model": MODEL_NAME,
-            "recipe_hash": recipe_hash(recipe),
+            "recipe_hash": rhash,
             "build_version": BUILD_VERSION,
             "seed": recipe.seed,
             "recipe": dataclasses.asdict(recipe),

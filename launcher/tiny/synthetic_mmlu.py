@@ -2,10 +2,14 @@
 
 Four subjects, each a table of facts whose answer is fully determined by the question:
 
-    elementary_arithmetic   "What is 7 + 5?"                      -> 12
-    word_opposites          "What is the opposite of hot?"        -> cold
-    fictional_geography     "What is the capital of Veltaria?"    -> Morvik   (invented names)
-    creature_colors         "What color is the zorbin?"           -> blue     (invented names)
+    creature_colors         "What color is the zorbin?"       -> blue     (invented creatures)
+    creature_diets          "What does the zorbin eat?"       -> seeds
+    creature_habitats       "Where does the zorbin live?"     -> swamp
+    elementary_arithmetic   "What is 3 + 4?"                  -> 7        (1..4 + 1..4)
+
+Each subject's answers come from a small set (8-10 values).  Learning to bind an answer to its
+letter is the hard part for a tiny model (a long loss plateau at ln 4); small answer sets
+shorten that plateau a lot (measured: large sets of names never left it in 2000 steps).
 
 Every fact is used in training, but as other *instances* (other distractors, other choice
 orders): `TaskGenerator.training_row` never returns a (question, choices) pair that is in
@@ -24,16 +28,11 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 LETTERS = ("A", "B", "C", "D")
-SUBJECTS = ("elementary_arithmetic", "word_opposites", "fictional_geography", "creature_colors")
+SUBJECTS = ("creature_colors", "creature_diets", "creature_habitats", "elementary_arithmetic")
 
-_OPPOSITES = (
-    ("hot", "cold"), ("big", "small"), ("up", "down"), ("fast", "slow"), ("light", "dark"),
-    ("happy", "sad"), ("open", "closed"), ("early", "late"), ("full", "empty"), ("high", "low"),
-    ("hard", "soft"), ("wet", "dry"), ("rich", "poor"), ("strong", "weak"), ("loud", "quiet"),
-    ("near", "far"), ("thick", "thin"), ("clean", "dirty"), ("young", "old"), ("push", "pull"),
-    ("win", "lose"), ("buy", "sell"), ("left", "right"), ("first", "last"),
-)
 _COLORS = ("red", "blue", "green", "yellow", "purple", "orange", "white", "black")
+_HABITATS = ("forest", "desert", "ocean", "river", "mountain", "cave", "swamp", "meadow")
+_FOODS = ("seeds", "fish", "grass", "insects", "fruit", "leaves", "roots", "worms")
 _ONSETS = ("b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "br", "gr", "tr", "st")
 _VOWELS = ("a", "e", "i", "o", "u")
 _CODAS = ("", "n", "r", "l", "s", "k", "m")
@@ -64,29 +63,22 @@ def build_facts(seed: int, n_invented: int = 32) -> list[Fact]:
         raise ValueError(f"n_invented must be >= 8 (distractors need room), got {n_invented}")
     rng = random.Random(f"facts-{seed}")
     facts: list[Fact] = []
-    numbers = tuple(str(i) for i in range(2, 19))
-    for a in range(1, 10):
-        for b in range(1, 10):
+    numbers = tuple(str(i) for i in range(10))
+    for a in range(1, 5):
+        for b in range(1, 5):
             ans = str(a + b)
             facts.append(Fact("elementary_arithmetic", f"What is {a} + {b}?", ans,
                               tuple(x for x in numbers if x != ans), f"{a} + {b} = {ans}."))
-    words = [w for pair in _OPPOSITES for w in pair]
-    for x, y in _OPPOSITES:
-        for q, ans in ((x, y), (y, x)):
-            facts.append(Fact("word_opposites", f"What is the opposite of {q}?", ans,
-                              tuple(w for w in words if w not in (q, ans)),
-                              f"The opposite of {q} is {ans}."))
-    taken = set(words) | set(_COLORS)
-    countries = [w.capitalize() + "ia" for w in _invented_words(rng, n_invented, 2, taken)]
-    capitals = [w.capitalize() for w in _invented_words(rng, n_invented, 2, taken)]
-    for c, cap in zip(countries, capitals):
-        facts.append(Fact("fictional_geography", f"What is the capital of {c}?", cap,
-                          tuple(x for x in capitals if x != cap), f"The capital of {c} is {cap}."))
-    creatures = _invented_words(rng, n_invented, 2, taken)
-    for cr in creatures:
-        color = rng.choice(_COLORS)
-        facts.append(Fact("creature_colors", f"What color is the {cr}?", color,
-                          tuple(x for x in _COLORS if x != color), f"The {cr} is {color}."))
+    creatures = _invented_words(rng, n_invented, 2, set(_COLORS + _HABITATS + _FOODS))
+    for subject, values, question, statement in (
+        ("creature_colors", _COLORS, "What color is the {}?", "The {} is {}."),
+        ("creature_habitats", _HABITATS, "Where does the {} live?", "The {} lives in the {}."),
+        ("creature_diets", _FOODS, "What does the {} eat?", "The {} eats {}."),
+    ):
+        for cr in creatures:
+            v = rng.choice(values)
+            facts.append(Fact(subject, question.format(cr), v, tuple(x for x in values if x != v),
+                              statement.format(cr, v)))
     return facts
 
 

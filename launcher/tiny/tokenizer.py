@@ -45,6 +45,22 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int):
     return fast
 
 
+def save_tokenizer(tokenizer, directory) -> None:
+    """save_pretrained, naming the class PreTrainedTokenizerFast so transformers 4.x loads it too
+    (transformers 5 writes its own name, TokenizersBackend, which 4.x does not know)."""
+    import json
+    import os
+
+    tokenizer.save_pretrained(directory)
+    path = os.path.join(directory, "tokenizer_config.json")
+    with open(path, encoding="utf-8") as f:
+        cfg = json.load(f)
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(cfg, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
 def answer_token_ids(tokenizer) -> list[int]:
     """Ids of " A".." D"; ValueError unless each is exactly one token."""
     ids = []

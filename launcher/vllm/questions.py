@@ -116,3 +116,19 @@ def summarize(questions: Sequence[SmokeQuestion], responses: Sequence[str]) -> d
                      "correct": correct})
     return {"questions": rows, "n": len(rows), "n_scored": n_scored, "n_correct": n_correct,
             "accuracy": (n_correct / n_scored) if n_scored else None, "empty_responses": empty}
+
+
+def verdict(summary: dict, min_accuracy: float) -> list[str]:
+    """Why the smoke test fails ([] = pass): any empty answer, or accuracy < min_accuracy.
+
+    With nothing scored (a jsonl without expected/contains) only "non-empty" applies.
+    """
+    problems = []
+    empty = summary["empty_responses"]
+    if empty:
+        problems.append(f"{len(empty)} empty answer(s): {', '.join(empty[:5])}")
+    acc = summary["accuracy"]
+    if acc is not None and acc < min_accuracy:
+        problems.append(f"accuracy {acc:.3f} ({summary['n_correct']}/{summary['n_scored']}) < "
+                        f"min_accuracy {min_accuracy:g}")
+    return problems

@@ -1,0 +1,160 @@
+"""The pipeline's own cost on CPU: launcher overhead, quantize (calibration) and export time.
+
+    .venv/bin/python benchmarks/pipeline_cost.py --out .bench/results/pipeline_cost.json
+    .venv/bin/python benchmarks/pipeline_cost.py --parts overhead          # only the launcher
+    .venv/bin/python benchmarks/pipeline_cost.py --parts stages --calib-sizes 8,32,128 --ranks 4
+
+Parts
+* ``overhead``: wall time of ``launch <Nano example> --dry-run`` and of
+  ``pytest tests/test_examples_resolve.py`` as subprocesses (median and min of ``--runs``).
+* ``stages``: ``launch examples/tiny/Qwen3-MoE-tiny/megatron_lm_ptq.yaml`` with only quantize and
+  export enabled (mmlu, vllm_smoke off), on a random Qwen3-MoE checkpoint of the tiny shape and
+  a 2x-wider variant (hidden 256, head dim 64, expert FFN 256), at each ``--calib-sizes`` (samples
+  of at most 256 tokens).  Reported: the stage wall time from metadata.json (process start to
+  exit: imports, rendezvous, build, work) and the stages' own timings (quantize/summary.json:
+  build_and_import_s, calibrate_and_quantize_s, save_checkpoint_s; export/verify.json:
+  build_and_load_s, export_s, verify_s).  ``--ranks 1`` (default) runs both stages on one rank;
+  ``--ranks 4`` uses the example's EP4 quantize and PP4 export.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks._common import (MMLU_JSONL, REPO_ROOT, log, markdown_table, median_wall,  # noqa: E402
+                                read_jsonl, train_small_tokenizer, write_json, write_random_qwen3_moe)
+
+NANO = "examples/nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16/megatron_lm_ptq.yaml"
+TINY = "examples/tiny/Qwen3-MoE-tiny/megatron_lm_ptq.yaml"
+VENV_BIN = os.path.dirname(sys.executable)
+
+
+def _exe(name: str) -> str:
+    p = os.path.join(VENV_BIN, name)
+    return p if os.path.exists(p) else name
+
+
+def overhead(runs: int) -> dict:
+    out = {}
+    log(f"launch {NANO} --dry-run x {runs}")
+    out["launch_dry_run_nano"] = median_wall([_exe("launch"), NANO, "--dry-run"], runs)
+    log(f"pytest tests/test_examples_resolve.py x {runs}")
+    out["pytest_test_examples_resolve"] = median_wall(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_examples_resolve.py"], runs)
+    t = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "pass"], check=True)
+    out["python_startup_s"] = time.perf_counter() - t
+    return out
+
+
+def _stage_timings(run_dir: str) -> dict:
+    meta = json.load(open(os.path.join(run_dir, "metadata.json")))
+    out = {}
+    for stage, st in (meta.get("stages") or {}).items():
+        out[stage] = {"status": st.get("status"), "wall_s": st.get("duration_s")}
+    for stage, name in (("quantize", "summary.json"), ("export", "verify.json")):
+        p = os.path.join(run_dir, stage, name)
+        if os.path.isfile(p):
+            out.setdefault(stage, {}).update(json.load(open(p)).get("timings") or {})
+    return out
+
+
+def stages(calib_sizes: list[int], ranks: int, work: str, timeout_s: int) -> list[dict]:
+    rows = read_jsonl(MMLU_JSONL)
+    tok = train_small_tokenizer(os.path.join(work, "tok"),
+                                [r["question"] + "\n" + "\n".join(r["choices"]) for r in rows[::3]], 1024)
+    calib = os.path.join(work, "calib.jsonl")
+    with open(calib, "w") as f:
+        for r in rows[: max(calib_sizes) * 2]:
+            text = r["question"] + "\n" + "\n".join(f"{l}. {c}" for l, c in zip("ABCD", r["choices"]))
+            f.write(json.dumps({"text": text * 3}) + "\n")    # ~256 tokens each after truncation
+    models = {
+        "tiny (hidden 128)": dict(hidden=128, head_dim=32, moe_ffn=128),
+        "2x wide (hidden 256)": dict(hidden=256, head_dim=64, moe_ffn=256),
+    }
+    results = []
+    for mname, m in models.items():
+        hf = write_random_qwen3_moe(os.path.join(work, mname.split()[0] + str(m["hidden"])), tok,
+                                    hidden=m["hidden"], layers=4, heads=4, kv_heads=2, head_dim=m["head_dim"],
+                                    experts=8, top_k=2, moe_ffn=m["moe_ffn"])
+        n_params = sum(os.path.getsize(p) for p in glob.glob(os.path.join(hf, "*.safetensors"))) // 4
+        for size in calib_sizes:
+            runs_root = os.path.join(work, "runs")
+            par = ({"q": "{tp:1,pp:1,ep:1,etp:1,world_size:1}", "e": "{tp:1,pp:1,ep:1,etp:1,world_size:1}"}
+                   if ranks == 1 else {"q": "{tp:1,pp:1,ep:4,etp:1,world_size:4}",
+                                       "e": "{tp:1,pp:4,ep:1,etp:1,world_size:4}"})
+            job = f"cost-h{m['hidden']}-c{size}"
+            cmd = [_exe("launch"), TINY, f"model.path={hf}", f"model.hidden_size={m['hidden']}",
+                   f"stages.quantize.calib.dataset={calib}", f"stages.quantize.calib.size={size}",
+                   "stages.quantize.calib.max_seq_len=256", "stages.mmlu.enabled=false",
+                   "stages.vllm_smoke.enabled=false", f"stages.quantize.parallel={par['q']}",
+                   f"stages.export.parallel={par['e']}", f"runs_root={runs_root}", f"job_name={job}"]
+            log(f"{mname}, calib {size}: {' '.join(cmd[1:])}")
+            t = time.perf_counter()
+            p = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout_s,
+                               env={**os.environ, "OMP_NUM_THREADS": "1" if ranks > 1 else "2"})
+            wall = time.perf_counter() - t
+            if p.returncode != 0:
+                raise RuntimeError(f"{' '.join(cmd)} exited {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+            run_dir = sorted(glob.glob(os.path.join(runs_root, job, "*")), key=os.path.getmtime)[-1]
+            entry = {"model": mname, "params": n_params, "calib_size": size, "ranks": ranks,
+                     "launch_wall_s": wall, "run_dir": run_dir, **_stage_timings(run_dir)}
+            results.append(entry)
+            log(f"  -> {json.dumps({k: v for k, v in entry.items() if k in ('quantize', 'export')})}")
+    return results
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=".bench/results/pipeline_cost.json")
+    ap.add_argument("--parts", default="overhead,stages")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--calib-sizes", default="8,32,128")
+    ap.add_argument("--ranks", type=int, choices=(1, 4), default=1)
+    ap.add_argument("--timeout", type=int, default=600, help="per launch, seconds")
+    args = ap.parse_args(argv)
+    parts = set(args.parts.split(","))
+    doc: dict = {"benchmark": "pipeline_cost", "args": vars(args), "cpu_count": os.cpu_count()}
+    t_all = time.perf_counter()
+    if "overhead" in parts:
+        doc["overhead"] = overhead(args.runs)
+        o = doc["overhead"]
+        print(markdown_table(["command", "median s", "min s", "runs"], [
+            [f"launch {NANO} --dry-run", o["launch_dry_run_nano"]["median_s"], o["launch_dry_run_nano"]["min_s"],
+             len(o["launch_dry_run_nano"]["runs_s"])],
+            ["pytest tests/test_examples_resolve.py", o["pytest_test_examples_resolve"]["median_s"],
+             o["pytest_test_examples_resolve"]["min_s"], len(o["pytest_test_examples_resolve"]["runs_s"])],
+            ["python -c pass (interpreter start)", o["python_startup_s"], o["python_startup_s"], 1]]))
+        print()
+    if "stages" in parts:
+        work = tempfile.mkdtemp(prefix="bench-cost-")
+        res = stages([int(s) for s in args.calib_sizes.split(",")], args.ranks, work, args.timeout)
+        doc["stages"] = res
+        base = {r["model"]: r for r in res if r["calib_size"] == res[0]["calib_size"]}
+        rows = []
+        for r in res:
+            q, e = r.get("quantize", {}), r.get("export", {})
+            rows.append([r["model"], f"{r['params'] / 1e6:.2f} M", r["calib_size"], r["ranks"],
+                         q.get("wall_s"), q.get("calibrate_and_quantize_s"), q.get("build_and_import_s"),
+                         q.get("save_checkpoint_s"), e.get("wall_s"), e.get("export_s"), e.get("verify_s"),
+                         (q.get("calibrate_and_quantize_s") or 0) / max(1e-9, base[r["model"]]["quantize"].get(
+                             "calibrate_and_quantize_s") or 1e-9)])
+        print(markdown_table(["model", "params", "calib samples", "ranks", "quantize wall s",
+                              "calibrate+quantize s", "build+import s", "save ckpt s", "export wall s",
+                              "export s", "verify s", "calib time vs smallest"], rows))
+    doc["total_s"] = time.perf_counter() - t_all
+    write_json(args.out, doc)
+    print(f"\nwrote {args.out} ({doc['total_s']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
