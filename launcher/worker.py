@@ -78,7 +78,7 @@ def main(argv: list[str]) -> int:
         mdist.init_distributed(dims, device, max(timeout_s, float(cfg.executor.collective_timeout_s)), cfg.seed)
         run_preflight(dims, rank)
         ctx.log(f"preflight ok: {dims.describe()} on {device} ({time.time() - t0:.1f}s)")
-    except (PreflightError, RuntimeError) as e:
+    except (PreflightError, RuntimeError, ValueError) as e:
         print(f"[{stage} r{rank}] PREFLIGHT FAILED: {e}", file=sys.stderr, flush=True)
         return EXIT_PREFLIGHT
     if preflight_only:
