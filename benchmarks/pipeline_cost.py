@@ -12,7 +12,7 @@ Parts
   a 2x-wider variant (hidden 256, head dim 64, expert FFN 256), at each ``--calib-sizes`` (samples
   of at most 256 tokens).  Reported: the stage wall time from metadata.json (process start to
   exit: imports, rendezvous, build, work) and the stages' own timings (quantize/summary.json:
-  build_and_import_s, calibrate_and_quantize_s, save_checkpoint_s; export/verify.json:
+  build_and_import_s, calibrate_and_quantize_s; export/verify.json:
   build_and_load_s, export_s, verify_s).  ``--ranks 1`` (default) runs both stages on one rank;
   ``--ranks 4`` uses the example's EP4 quantize and PP4 export.
 """
@@ -144,11 +144,11 @@ def main(argv=None) -> int:
             q, e = r.get("quantize", {}), r.get("export", {})
             rows.append([r["model"], f"{r['params'] / 1e6:.2f} M", r["calib_size"], r["ranks"],
                          q.get("wall_s"), q.get("calibrate_and_quantize_s"), q.get("build_and_import_s"),
-                         q.get("save_checkpoint_s"), e.get("wall_s"), e.get("export_s"), e.get("verify_s"),
+                         e.get("wall_s"), e.get("export_s"), e.get("verify_s"),
                          (q.get("calibrate_and_quantize_s") or 0) / max(1e-9, base[r["model"]]["quantize"].get(
                              "calibrate_and_quantize_s") or 1e-9)])
         print(markdown_table(["model", "params", "calib samples", "ranks", "quantize wall s",
-                              "calibrate+quantize s", "build+import s", "save ckpt s", "export wall s",
+                              "calibrate+quantize s", "build+import s", "export wall s",
                               "export s", "verify s", "calib time vs smallest"], rows))
     doc["total_s"] = time.perf_counter() - t_all
     write_json(args.out, doc)

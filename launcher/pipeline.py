@@ -20,6 +20,7 @@ from launcher.executors.base import CANCELLED, COMPLETED, FAILED, StagePlan
 from launcher.rundir import (DISABLED, RUNNING, SKIPPED, RunDirectory, read_json, split_secrets)
 from launcher.stages.context import EXIT_DESYNC, EXIT_GATE_FAILED, EXIT_PREFLIGHT
 
+QUIET_WARNINGS = "ignore::FutureWarning,ignore::DeprecationWarning,ignore::UserWarning"
 EXIT_REASONS = {EXIT_GATE_FAILED: "gate failed (accuracy below the bound)", EXIT_DESYNC: "desync guard tripped",
                 EXIT_PREFLIGHT: "preflight failed (process groups)", 130: "cancelled"}
 
@@ -31,6 +32,9 @@ def stage_plan(cfg: DictConfig, stage: str, run_dir: str, python: Optional[str] 
     if preflight_only:
         argv.append("--preflight-only")
     plain_env, _ = split_secrets(dict(cfg.env))
+    # Megatron/ModelOpt/torch emit hundreds of Future/User warnings per rank; the user's own
+    # PYTHONWARNINGS (env or `env.PYTHONWARNINGS=...`) wins.
+    plain_env = {"PYTHONWARNINGS": os.environ.get("PYTHONWARNINGS", QUIET_WARNINGS), **plain_env}
     return StagePlan(name=stage, world_size=dims.world_size, argv=argv, env=plain_env,
                      log_path=os.path.join(run_dir, stage, "log.txt"), allow_to_fail=bool(cfg.allow_to_fail))
 

@@ -281,21 +281,24 @@ def built_tiny_model():
     minutes), else None."""
     try:
         from launcher.tiny import ensure_tiny_model
-        from launcher.tiny.build import default_dir, read_build_info
+        from launcher.tiny.build import default_dir, is_current
+        from launcher.tiny.train import Recipe
     except ImportError:
         return None
-    if read_build_info(default_dir()) is None:
+    if not is_current(default_dir(), Recipe()):
         return None
     return ensure_tiny_model()
 
 
 @pytest.fixture(scope="module")
 def stage_model(tiny, ref):
-    """The trained tiny model with its synthetic MMLU (10 % of it) when built, else the random one."""
+    """The trained tiny model with its synthetic MMLU (10 % of it) when built (PTQ_CACHE_DIR picks
+    the cache), else the random one."""
     build = built_tiny_model()
     if build is None:
         return {**tiny, "over": {}, "ref": ref, "subjects": sorted(SUBJECTS), "name": "random"}
-    hf, data, over = str(build / "hf"), str(build / "mmlu"), {"fraction": 0.1}
+    # zero-shot, like examples/tiny (the tiny model is trained for it)
+    hf, data, over = str(build / "hf"), str(build / "mmlu"), {"fraction": 0.1, "few_shots": 0}
     from launcher.tiny.synthetic_mmlu import SUBJECTS as TINY_SUBJECTS
 
     return {"hf": hf, "data": data, "root": tiny["root"], "over": over,

@@ -164,17 +164,21 @@ def test_offline_mode_with_jsonl_prompts(tiny, tmp_path):
     hf, mmlu = tiny
     from launcher.mmlu.data import load_mmlu
     from launcher.mmlu.prompts import build_prompt
-    qs = load_mmlu(str(mmlu), "test")[:6]
+    qs = load_mmlu(str(mmlu), "test")[:8]
+    rows = [{"prompt": build_prompt(q), "expected": "ABCD"[q.answer]} for q in qs[:6]]
+    rows.append({"prompt": build_prompt(qs[6]), "contains": "ABCD"[qs[6].answer]})
+    rows.append({"prompt": build_prompt(qs[7]), "id": "unscored"})   # only "non-empty" applies
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": build_prompt(q), "expected": "ABCD"[q.answer]}) + "\n"
-                               for q in qs) + json.dumps({"prompt": "What is 2 + 2?"}) + "\n")
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
     ctx = make_ctx(tmp_path / "run", hf, mmlu, mode="offline", prompts=str(prompts), min_accuracy=0.5)
     vllm_smoke.run(ctx)
     r = read(tmp_path / "run", "responses.json")
     print(f"\n[offline: load {r['timings']['startup_s']} s, generate {r['timings']['generate_s']} s, "
           f"accuracy {r['accuracy']}]")
-    assert r["passed"] and r["n"] == 7 and r["n_scored"] == 6 and r["source"].startswith("jsonl:")
-    assert r["questions"][-1]["correct"] is None
+    assert r["passed"] and r["n"] == 8 and r["n_scored"] == 7 and r["source"].startswith("jsonl:")
+    assert r["server"]["mode"] == "offline"
+    assert_stopped(r["server"]["pid"])
+    assert r["questions"][-1]["id"] == "unscored" and r["questions"][-1]["correct"] is None
 
 
 def test_missing_vllm_is_a_recorded_skip(tmp_path):
