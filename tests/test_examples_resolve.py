@@ -139,3 +139,9 @@ def test_composition_imports_no_torch():
     code = ("import sys; from launcher.config.compose import compose_example; from launcher.config.validate import validate;"
             f"validate(compose_example({NANO!r}, []), check_paths=False); assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_dataset_that_is_not_an_mmlu_layout_is_refused(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        validate(compose_example(NANO, [f"stages.mmlu.dataset={tmp_path}"]), check_paths=True)
+    assert f"stages.mmlu.dataset='{tmp_path}': directory is neither an HF datasets dir in the cais/mmlu layout" in str(e.value)

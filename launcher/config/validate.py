@@ -224,6 +224,16 @@ def _check_mmlu(cfg: DictConfig, err: _Errors, warnings: list[str], check_paths:
     _check_path(m.dataset, f"{key}.dataset", err, warnings, check_paths, hub_ok=True)
     if m.dev_dataset:
         _check_path(m.dev_dataset, f"{key}.dev_dataset", err, warnings, check_paths, hub_ok=True)
+    if check_paths:
+        from launcher.mmlu.data import MmluDataError, check_source  # pure Python: layout of the source
+
+        for field_name in ("dataset", "dev_dataset"):
+            value = m[field_name]
+            if value and os.path.exists(value):
+                try:
+                    check_source(value, f"{key}.{field_name}")
+                except MmluDataError as e:
+                    err.add(f"{key}.{field_name}", value, str(e).replace(f"{key}.{field_name}={value!r}: ", ""))
     elif m.few_shots and m.dataset.endswith(".jsonl"):
         err.add(f"{key}.few_shots", m.few_shots, "a jsonl dataset has no dev split: set stages.mmlu.dev_dataset")
     if not cfg.stages.quantize.enabled and cfg.recipe.format != "none":
