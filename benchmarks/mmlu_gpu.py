@@ -480,6 +480,10 @@ def main(argv=None) -> int:
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    import warnings
+
+    warnings.filterwarnings("ignore")
     t_all = time.perf_counter()
     make_mmlu_hf_dir(args.dataset, args.mmlu_hf)
     n_rows = check_mmlu_hf_dir(args.mmlu_hf, args.dataset)

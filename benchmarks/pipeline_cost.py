@@ -55,6 +55,19 @@ def overhead(runs: int) -> dict:
     return out
 
 
+def card_overrides(hf: str) -> list[str]:
+    """``model.<key>=<value>`` for every model-card field derived from the checkpoint's config.json
+    (the validator requires the card to agree with the checkpoint)."""
+    from launcher.config.hf_card import card_from_hf_config, read_hf_config
+
+    out = []
+    for key, value in card_from_hf_config(read_hf_config(hf)).items():
+        if value is None or isinstance(value, (list, dict)):
+            continue
+        out.append(f"model.{key}={value}")
+    return out
+
+
 def _stage_timings(run_dir: str) -> dict:
     meta = json.load(open(os.path.join(run_dir, "metadata.json")))
     out = {}
@@ -92,7 +105,7 @@ def stages(calib_sizes: list[int], ranks: int, work: str, timeout_s: int) -> lis
                    if ranks == 1 else {"q": "{tp:1,pp:1,ep:4,etp:1,world_size:4}",
                                        "e": "{tp:1,pp:4,ep:1,etp:1,world_size:4}"})
             job = f"cost-h{m['hidden']}-c{size}"
-            cmd = [_exe("launch"), TINY, f"model.path={hf}", f"model.hidden_size={m['hidden']}",
+            cmd = [_exe("launch"), TINY, f"model.path={hf}", *card_overrides(hf),
                    f"stages.quantize.calib.dataset={calib}", f"stages.quantize.calib.size={size}",
                    "stages.quantize.calib.max_seq_len=256", "stages.mmlu.enabled=false",
                    "stages.vllm_smoke.enabled=false", f"stages.quantize.parallel={par['q']}",

@@ -108,7 +108,7 @@ def test_kill_resume_gate(tmp_path, tiny_dir):
     assert results["pass"] is True and results["accuracy"] >= 0.85, results["accuracy"]
     with open(os.path.join(run_dir, "export", "verify.json")) as f:
         verify = json.load(f)
-    assert verify["passed"] is True, verify
+    assert verify["ok"] is True, verify
     first_quantize_finish = json.load(open(os.path.join(run_dir, "quantize", "manifest.json")))["finished"]
 
     # 3. resume with an unreachable bound: quantize is not redone, the gate fails on every rank

@@ -36,7 +36,7 @@ def test_tiny_pipeline_through_slurm(slurm_cluster, tiny_dir, tmp_path, capsys):
     assert "--ntasks=4" in (run_dir / "slurm" / "quantize.sbatch").read_text()
     results = json.loads((run_dir / "mmlu" / "results.json").read_text())
     assert results["pass"] is True
-    assert json.loads((run_dir / "export" / "verify.json").read_text())["passed"] is True
+    assert json.loads((run_dir / "export" / "verify.json").read_text())["ok"] is True
     assert main(["status", str(run_dir)]) == 0
     status = capsys.readouterr().out
     for stage in ("quantize", "mmlu", "export", "vllm_smoke"):

@@ -9,7 +9,7 @@
   caught and reported (offline engine: cheaper than a server start);
 * offline mode with a jsonl of prompts.
 
-Needs .venv-vllm (`make vllm-venv` / scripts/setup_vllm_venv.sh): skipped otherwise.
+Needs .venv-vllm (`make vllm-env` / scripts/setup_vllm_venv.sh): skipped otherwise.
 The model is launcher.tiny's build (built on first use); PTQ_VLLM_TEST_MODEL_ROOT=<dir with hf/
 and mmlu/test.jsonl> points the tests at another one.
 Run: .venv/bin/python -m pytest -m vllm tests/test_vllm_smoke.py -v
@@ -34,7 +34,7 @@ from launcher.vllm.probe import DEFAULT_VENV, vllm_python
 VLLM_PY = DEFAULT_VENV / "bin" / "python"
 needs_vllm = pytest.mark.skipif(
     not VLLM_PY.exists(),
-    reason=f"{VLLM_PY} absent: create the vLLM CPU venv with scripts/setup_vllm_venv.sh (make vllm-venv)")
+    reason=f"{VLLM_PY} absent: create the vLLM CPU venv with scripts/setup_vllm_venv.sh (make vllm-env)")
 
 NVFP4_HF_QUANT = {"producer": {"name": "modelopt", "version": "0.47.0"},
                   "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": 16,

@@ -172,7 +172,7 @@ def decide(quant: QuantInfo, platform: Platform) -> tuple[bool, str]:
     if not platform.vllm_importable:
         why = f": {platform.vllm_error}" if platform.vllm_error else ""
         return False, (f"vLLM is not importable in {platform.python}{why} "
-                       f"(create it with `make vllm-venv`, or set stages.vllm_smoke.python)")
+                       f"(create it with `make vllm-env`, or set stages.vllm_smoke.python)")
     ver = f"vLLM {platform.vllm_version or '?'}"
     need = requirement(quant)
     if need is None:
