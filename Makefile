@@ -5,7 +5,7 @@ PY ?= python3.11
 VENV := .venv
 PYTEST_ARGS ?=
 
-.PHONY: demo test venv vllm-env slurm tiny test-fast clean-runs
+.PHONY: demo test venv vllm-env slurm tiny test-vllm test-fast clean-runs
 
 venv: $(VENV)/.setup-done-v1
 $(VENV)/.setup-done-v1: pyproject.toml scripts/setup_venv.sh
@@ -25,6 +25,9 @@ demo: venv tiny
 
 test: venv vllm-env slurm tiny
 	OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest tests $(PYTEST_ARGS)
+
+test-vllm: venv vllm-env tiny
+	$(VENV)/bin/python -m pytest -m vllm tests/test_vllm_smoke.py $(PYTEST_ARGS)
 
 test-fast: venv
 	$(VENV)/bin/python -m pytest tests -m "not slow and not slurm and not vllm" $(PYTEST_ARGS)

@@ -158,6 +158,8 @@ class VllmSmokeStage:
     min_accuracy: float = 0.5
     max_tokens: int = 4
     startup_timeout_s: int = 600
+    request_timeout_s: int = 600
+    model_dir: Optional[str] = None    # serve this HF directory instead of export/<stages.export.name>
     on_unsupported: str = "skip"       # skip | fail
     force: bool = False                # skip the capability check (vLLM's own refusal is reported)
     extra_args: list[str] = field(default_factory=list)

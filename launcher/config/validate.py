@@ -272,5 +272,6 @@ def _check_vllm(cfg: DictConfig, err: _Errors) -> None:
     if cfg.model.num_attention_heads % v.parallel.tp:
         err.add("stages.vllm_smoke.parallel.tp", v.parallel.tp,
                 f"must divide model.num_attention_heads={cfg.model.num_attention_heads}")
-    if not cfg.stages.export.enabled:
-        err.add("stages.vllm_smoke.enabled", True, "serves stages.export's checkpoint: enable stages.export")
+    if not cfg.stages.export.enabled and not v.model_dir:
+        err.add("stages.vllm_smoke.enabled", True,
+                "serves stages.export's checkpoint: enable stages.export or set stages.vllm_smoke.model_dir")

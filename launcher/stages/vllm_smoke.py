@@ -34,11 +34,10 @@ from launcher.vllm.procs import log_tail
 from launcher.vllm.server import VllmError, VllmServer, run_offline
 
 LOG_TAIL_LINES = 30
-REQUEST_TIMEOUT_S = 600
 
 
 def _model_dir(ctx: StageContext) -> str:
-    explicit = OmegaConf.select(ctx.stage_cfg, "model_dir", default=None)  # proposed key
+    explicit = ctx.stage_cfg.model_dir
     return explicit or ctx.path("export", str(ctx.cfg.stages.export.name))
 
 
@@ -145,7 +144,7 @@ def run(ctx: StageContext) -> None:
                     server.start()
                     ctx.log(f"server healthy at {server.base_url} after {server.startup_s:.1f} s")
                     t1 = time.monotonic()
-                    responses = server.complete(prompts, int(sc.max_tokens), REQUEST_TIMEOUT_S)
+                    responses = server.complete(prompts, int(sc.max_tokens), float(sc.request_timeout_s))
                     timings["generate_s"] = round(time.monotonic() - t1, 2)
                 finally:
                     server.stop()
@@ -155,7 +154,7 @@ def run(ctx: StageContext) -> None:
                 responses, info = run_offline(
                     python, model_dir, prompts, int(sc.max_tokens), log_path, ctx.stage_dir, tp=tp,
                     extra_args=extra, device=platform.vllm_device,
-                    timeout_s=float(sc.startup_timeout_s) + REQUEST_TIMEOUT_S)
+                    timeout_s=float(sc.startup_timeout_s) + float(sc.request_timeout_s))
                 record["server"] = info
                 timings["startup_s"], timings["generate_s"] = info.get("load_s"), info.get("generate_s")
     except VllmError as e:
