@@ -17,7 +17,7 @@ def test_suite_runs_tiny_and_dry_runs_the_rest(tmp_path, tiny_dir):
     # every example gets these overrides; only the tiny one runs: its gate is made to fail, but the
     # job is allowed to fail, so later stages still run and the suite passes.
     proc = subprocess.run(
-        [sys.executable, "-m", "launcher.cli", "suite", "examples/", "--junit", str(junit),
+        [sys.executable, "-m", "launcher.cli", "suite", "examples/", "--test-level", "3", "--junit", str(junit),
          "allow_to_fail=true", "stages.mmlu.lower_bound=0.99", "stages.vllm_smoke.enabled=false",
          f"runs_root={tmp_path}/runs"],
         cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=1500)
