@@ -1,8 +1,7 @@
 """Helpers shared by the benchmark scripts (not product code; nothing here is imported by launcher/).
 
-* ``run_on_ranks`` - run ``module:function`` on N local gloo ranks as subprocesses (RANK,
-  WORLD_SIZE, MASTER_ADDR/PORT as torchrun sets them; OMP_NUM_THREADS=1), collect each rank's
-  JSON result; kill the ranks on timeout.
+* ``run_on_ranks`` - re-exported from ``tests/distributed_utils.py``: run ``module:function`` on
+  N local gloo ranks as subprocesses, collect each rank's JSON result; kill the ranks on timeout.
 * ``single_rank_env`` - the env:// variables for a world of one inside this process.
 * ``write_random_qwen3_moe`` / ``write_model_dir`` - HF checkpoint dirs (config.json + tokenizer
   files; weights only when asked) for benchmarks that use random weights.
@@ -16,14 +15,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH_DIR = os.path.join(REPO_ROOT, ".bench")
@@ -31,17 +27,15 @@ MMLU_JSONL = os.path.join(BENCH_DIR, "mmlu", "test.jsonl")
 MMLU_HF_DIR = os.path.join(BENCH_DIR, "mmlu_hf")
 QWEN_TOKENIZER = os.path.join(BENCH_DIR, "qwen-tokenizer")
 
-if REPO_ROOT not in sys.path:
-    sys.path.insert(0, REPO_ROOT)
+for _path in (REPO_ROOT, os.path.join(REPO_ROOT, "tests")):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
+
+# The rank launcher the tests use (N gloo ranks as subprocesses, timeout, per-rank JSON results).
+from distributed_utils import free_port, run_on_ranks  # noqa: E402,F401
 
 
 # ----------------------------------------------------------------------------------- processes
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def single_rank_env() -> None:
     """env:// rendezvous variables for world size 1 in this process (kept when already set)."""
@@ -50,75 +44,6 @@ def single_rank_env() -> None:
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))
-
-
-def run_on_ranks(target: str, nprocs: int, kwargs: Optional[dict] = None, timeout_s: float = 900,
-                 env: Optional[dict] = None) -> list:
-    """Run ``target`` ("benchmarks.module:function") on ``nprocs`` gloo ranks; each rank's result."""
-    port = free_port()
-    with tempfile.TemporaryDirectory(prefix="bench-ranks-") as workdir:
-        procs, logs = [], []
-        for rank in range(nprocs):
-            rank_env = {
-                **os.environ,
-                "RANK": str(rank), "WORLD_SIZE": str(nprocs), "LOCAL_RANK": str(rank),
-                "LOCAL_WORLD_SIZE": str(nprocs), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-                "PYTHONPATH": os.pathsep.join([REPO_ROOT, os.environ.get("PYTHONPATH", "")]),
-                "PYTHONWARNINGS": "ignore",
-                **(env or {}),
-            }
-            log = open(os.path.join(workdir, f"rank{rank}.log"), "w+")
-            logs.append(log)
-            procs.append(subprocess.Popen(
-                [sys.executable, os.path.abspath(__file__), target, json.dumps(kwargs or {}), workdir],
-                env=rank_env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
-                start_new_session=True))
-        deadline = time.time() + timeout_s
-        timed_out = False
-        while any(p.poll() is None for p in procs):
-            if time.time() > deadline:
-                timed_out = True
-                break
-            if any(p.returncode not in (None, 0) for p in procs):
-                grace = time.time() + 20
-                while time.time() < grace and any(p.poll() is None for p in procs):
-                    time.sleep(0.2)
-                break
-            time.sleep(0.2)
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)   # the process group of our own child
-                p.wait()
-        codes = [p.returncode for p in procs]
-        outputs = []
-        for log in logs:
-            log.seek(0)
-            outputs.append(log.read()[-4000:])
-            log.close()
-        if timed_out or any(c != 0 for c in codes):
-            detail = "\n".join(f"----- rank {r} (exit {c}) -----\n{o}"
-                               for r, (c, o) in enumerate(zip(codes, outputs)))
-            why = f"timed out after {timeout_s} s" if timed_out else f"exit codes {codes}"
-            raise RuntimeError(f"{target} on {nprocs} ranks: {why}\n{detail}")
-        results = []
-        for rank in range(nprocs):
-            with open(os.path.join(workdir, f"result{rank}.json")) as f:
-                results.append(json.load(f))
-        return results
-
-
-def _rank_main(target: str, kwargs_json: str, workdir: str) -> None:
-    import importlib
-
-    module_name, _, func_name = target.partition(":")
-    func = getattr(importlib.import_module(module_name), func_name)
-    result = func(**json.loads(kwargs_json))
-    rank = int(os.environ["RANK"])
-    tmp = os.path.join(workdir, f"result{rank}.json.tmp")
-    with open(tmp, "w") as f:
-        json.dump(result, f)
-    os.replace(tmp, os.path.join(workdir, f"result{rank}.json"))
 
 
 def median_wall(cmd: Sequence[str], runs: int = 3, cwd: str = REPO_ROOT, env: Optional[dict] = None,
@@ -279,8 +204,3 @@ def write_json(path: str, doc: dict) -> None:
 
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-if __name__ == "__main__":
-    sys.path[:0] = [REPO_ROOT]
-    _rank_main(*sys.argv[1:4])

@@ -14,3 +14,12 @@ def tiny_dir():
     from launcher.tiny import ensure_tiny_model
 
     return str(ensure_tiny_model())
+
+
+@pytest.fixture(scope="session")
+def random_tiny_moe(tmp_path_factory):
+    """A random 4-layer Qwen3-MoE HF checkpoint (tests/distributed_utils.write_tiny_qwen3_moe), read-only."""
+    pytest.importorskip("torch")
+    from distributed_utils import write_tiny_qwen3_moe
+
+    return write_tiny_qwen3_moe(str(tmp_path_factory.mktemp("tiny_qwen3_moe")), num_layers=4)

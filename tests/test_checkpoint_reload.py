@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from distributed_utils import REPO_ROOT, run_on_ranks, write_tiny_qwen3_moe
+from distributed_utils import REPO_ROOT, run_on_ranks
 
 RELOAD_TOLERANCE = 1e-5   # max |logits(reloaded) - logits(before save)|, fp32
 
@@ -72,16 +72,11 @@ def save_and_reload_worker(hf_path: str, ckpt: str, reload_layouts: list[dict], 
     return out
 
 
-@pytest.fixture(scope="module")
-def tiny_moe(tmp_path_factory):
-    return write_tiny_qwen3_moe(str(tmp_path_factory.mktemp("tiny_qwen3_moe")), num_layers=4)
-
-
 @pytest.mark.slow
-def test_nvfp4_checkpoint_reloads_at_ep4_ep1_pp4(tiny_moe, tmp_path):
+def test_nvfp4_checkpoint_reloads_at_ep4_ep1_pp4(random_tiny_moe, tmp_path):
     ckpt = str(tmp_path / "ckpt")
     results = run_on_ranks("test_checkpoint_reload:save_and_reload_worker", nprocs=4, timeout_s=360,
-                           kwargs={"hf_path": tiny_moe, "ckpt": ckpt,
+                           kwargs={"hf_path": random_tiny_moe, "ckpt": ckpt,
                                    "reload_layouts": [{"ep": 4}, {"ep": 1}, {"pp": 4}],
                                    "export_dir": str(tmp_path / "export")})
     print({k: v for k, v in results[-1].items()})

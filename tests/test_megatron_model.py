@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from distributed_utils import hf_logits, run_on_ranks, write_tiny_qwen3_moe
+from distributed_utils import hf_logits, run_on_ranks
 
 LOGITS_TOLERANCE = 1e-4   # fp32, max |megatron - transformers|
 
@@ -49,15 +49,10 @@ def logits_worker(hf_path: str, layouts: list[dict]) -> dict:
     return out
 
 
-@pytest.fixture(scope="module")
-def tiny_moe(tmp_path_factory):
-    return write_tiny_qwen3_moe(str(tmp_path_factory.mktemp("tiny_qwen3_moe")), num_layers=4)
-
-
 @pytest.mark.slow
-def test_megatron_logits_match_transformers_ep4_and_pp2_ep2(tiny_moe):
+def test_megatron_logits_match_transformers_ep4_and_pp2_ep2(random_tiny_moe):
     results = run_on_ranks("test_megatron_model:logits_worker", nprocs=4, timeout_s=300,
-                           kwargs={"hf_path": tiny_moe, "layouts": [{"ep": 4}, {"pp": 2, "ep": 2}]})
+                           kwargs={"hf_path": random_tiny_moe, "layouts": [{"ep": 4}, {"pp": 2, "ep": 2}]})
     for rank, per_layout in enumerate(results):
         for layout, r in per_layout.items():
             assert r["group_mismatch"] == [], (rank, layout, r)
