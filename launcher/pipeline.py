@@ -40,10 +40,12 @@ def stage_plan(cfg: DictConfig, stage: str, run_dir: str, python: Optional[str] 
 
 
 def build_plans(cfg: DictConfig, run_dir: str, python: Optional[str] = None,
-                preflight_only: bool = False) -> list[StagePlan]:
+                preflight_only: bool = False, stages: Optional[list[str]] = None) -> list[StagePlan]:
+    """Plans for `stages` (default: every enabled stage); Slurm ranks use executor.python."""
     if python is None and cfg.executor.kind == "slurm":
         python = cfg.executor.python
-    return [stage_plan(cfg, s, run_dir, python, preflight_only) for s in enabled_stages(cfg)]
+    stages = enabled_stages(cfg) if stages is None else stages
+    return [stage_plan(cfg, s, run_dir, python, preflight_only) for s in stages]
 
 
 def make_executor(cfg: DictConfig, run_dir: str):
@@ -98,8 +100,7 @@ def run_pipeline(cfg: DictConfig, run: RunDirectory, resume: bool = False, prefl
     """Run every enabled stage; returns the process exit code for `launch`."""
     _export_secrets(cfg)
     todo = enabled_stages(cfg) if preflight_only else stages_to_run(cfg, run, resume)
-    plans = [stage_plan(cfg, s, run.path, cfg.executor.python if cfg.executor.kind == "slurm" else None,
-                        preflight_only) for s in todo]
+    plans = build_plans(cfg, run.path, preflight_only=preflight_only, stages=todo)
     run.update_run(status=RUNNING, started=time.time())
     if cfg.executor.kind == "slurm":
         return _run_slurm(cfg, run, plans, detach)
@@ -162,8 +163,7 @@ def _run_slurm(cfg: DictConfig, run: RunDirectory, plans: list[StagePlan], detac
     final_code = 0
     for plan in plans:
         state = finals.get(plan.name, "UNKNOWN")
-        info = executor.job_info(plan.name) if hasattr(executor, "job_info") else {}
-        code = int(info.get("exit_code", 0 if state == COMPLETED else 1) or (0 if state == COMPLETED else 1))
+        code = 0 if state == COMPLETED else int(executor.job_info(plan.name).get("exit_code") or 1)
         _record_stage_outcome(run, plan.name, state, code)
         if state != COMPLETED:
             run.update_stage(plan.name, reason=f"Slurm state {state}" + (f": {EXIT_REASONS[code]}" if code in EXIT_REASONS else ""))

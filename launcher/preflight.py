@@ -9,37 +9,16 @@ from __future__ import annotations
 
 from launcher.topology import ParallelDims
 
-# topology.py group name -> megatron.core.parallel_state getter (kwargs)
-_MEGATRON_GROUPS = {
-    "tp": ("get_tensor_model_parallel_group", {}),
-    "pp": ("get_pipeline_model_parallel_group", {}),
-    "dp": ("get_data_parallel_group", {"with_context_parallel": False}),
-    "cp": ("get_context_parallel_group", {}),
-    "ep": ("get_expert_model_parallel_group", {}),
-    "etp": ("get_expert_tensor_parallel_group", {}),
-    "edp": ("get_expert_data_parallel_group", {}),
-}
-
 
 class PreflightError(RuntimeError):
     pass
 
 
-def megatron_groups() -> dict[str, tuple[object, list[int]]]:
-    """Megatron's process group and its global ranks, per group kind, for this rank."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    out = {}
-    for kind, (getter, kwargs) in _MEGATRON_GROUPS.items():
-        group = getattr(ps, getter)(**kwargs)
-        out[kind] = (group, sorted(dist.get_process_group_ranks(group)))
-    return out
-
-
 def run_preflight(dims: ParallelDims, rank: int) -> dict[str, list[int]]:
     import torch
     import torch.distributed as dist
+
+    from launcher.megatron.dist import megatron_groups
 
     problems = []
     groups = megatron_groups()

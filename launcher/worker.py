@@ -45,9 +45,10 @@ def main(argv: list[str]) -> int:
     stage, run_dir = argv[0], os.path.abspath(argv[1])
     preflight_only = "--preflight-only" in argv[2:]
     # Environment first: set by the local agent, or derived from srun's.
-    rank = _env_int("RANK", "SLURM_PROCID")
-    world = _env_int("WORLD_SIZE", "SLURM_NTASKS")
-    local_rank = _env_int("LOCAL_RANK", "SLURM_LOCALID", default=0)
+    from launcher.megatron.dist import rank_env  # no torch import at module level
+
+    env = rank_env()
+    rank, world, local_rank = env["rank"], env["world_size"], env["local_rank"]
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local_rank))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29500")
@@ -70,7 +71,7 @@ def main(argv: list[str]) -> int:
                        local_rank=local_rank, dims=dims, device=device)
     t0 = time.time()
     if stage in STAGES_WITHOUT_MEGATRON:
-        return _run_stage(stage, ctx, cfg, run_dir, rank, world, device, t0, shutdown=None)
+        return 0 if preflight_only else _run_stage(stage, ctx, cfg, run_dir, rank, world, device, t0, shutdown=None)
     from launcher.megatron import dist as mdist
     from launcher.preflight import PreflightError, run_preflight
 
@@ -91,8 +92,6 @@ def _run_stage(stage, ctx, cfg, run_dir, rank, world, device, t0, shutdown) -> i
     from launcher.rundir import write_manifest
     from launcher.stages.context import EXIT_FAILED, StageFailed
 
-    if "--preflight-only" in sys.argv:
-        return 0
     try:
         module = importlib.import_module(f"launcher.stages.{stage}")
         module.run(ctx)

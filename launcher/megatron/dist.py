@@ -130,16 +130,21 @@ _GROUP_GETTERS = {
 }
 
 
-def megatron_group_ranks() -> dict[str, list[int]]:
-    """This rank's Megatron groups as global rank lists, keyed like ParallelDims.groups."""
+def megatron_groups() -> dict[str, tuple[object, list[int]]]:
+    """This rank's Megatron process groups and their global ranks, keyed like ParallelDims.groups."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
     out = {}
     for kind, (getter, kwargs) in _GROUP_GETTERS.items():
         group = getattr(parallel_state, getter)(**kwargs)
-        out[kind] = sorted(dist.get_process_group_ranks(group))
+        out[kind] = (group, sorted(dist.get_process_group_ranks(group)))
     return out
+
+
+def megatron_group_ranks() -> dict[str, list[int]]:
+    """This rank's Megatron groups as global rank lists, keyed like ParallelDims.groups."""
+    return {kind: ranks for kind, (_, ranks) in megatron_groups().items()}
 
 
 def shutdown() -> None:
