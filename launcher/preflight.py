@@ -29,7 +29,9 @@ def run_preflight(dims: ParallelDims, rank: int) -> dict[str, list[int]]:
     if problems:
         raise PreflightError("preflight: group mismatch:\n  " + "\n  ".join(problems))
     for kind, (group, ranks) in groups.items():
-        t = torch.ones(1)
+        # NCCL reduces device tensors only; gloo CPU tensors
+        device = f"cuda:{torch.cuda.current_device()}" if dist.get_backend(group) == "nccl" else "cpu"
+        t = torch.ones(1, device=device)
         dist.all_reduce(t, group=group)
         if int(t.item()) != len(ranks):
             raise PreflightError(f"preflight: all-reduce over the {kind} group {ranks} gave {int(t.item())}, "
