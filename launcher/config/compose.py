@@ -111,9 +111,6 @@ def compose_example(path: str, overrides: Sequence[str] = ()) -> DictConfig:
         OmegaConf.resolve(cfg)
     except OmegaConfBaseException as e:
         raise ConfigError(f"cannot resolve {path}: {e}") from e
-    if "hydra" in cfg:
-        with _open_struct(cfg):
-            del cfg["hydra"]
     _check_against_schema(cfg)
     _complete_model_card(cfg)
     return cfg
@@ -137,17 +134,6 @@ def _check_against_schema(cfg: DictConfig) -> None:
     except OmegaConfBaseException as e:
         valid = ", ".join(sorted(OmegaConf.structured(EXECUTOR_SCHEMAS[kind]).keys()))
         raise ConfigError(f"unknown or invalid key 'executor.{e.key}' for executor kind {kind!r}; valid keys: {valid}") from e
-
-
-class _open_struct:
-    def __init__(self, cfg: DictConfig):
-        self.cfg = cfg
-
-    def __enter__(self):
-        OmegaConf.set_struct(self.cfg, False)
-
-    def __exit__(self, *exc):
-        OmegaConf.set_struct(self.cfg, True)
 
 
 def _explain_hydra_error(e: Exception) -> str:

@@ -211,7 +211,7 @@ def _check_mmlu(cfg: DictConfig, err: _Errors, warnings: list[str], check_paths:
             err.add(f"{key}.{k}", m[k], "must be >= 1")
     if m.few_shots < 0:
         err.add(f"{key}.few_shots", m.few_shots, "must be >= 0")
-    if m.max_batch_tokens is not None and m.max_batch_tokens < m.max_seq_len and m.max_batch_tokens < 1:
+    if m.max_batch_tokens is not None and m.max_batch_tokens < 1:
         err.add(f"{key}.max_batch_tokens", m.max_batch_tokens, "must be >= 1")
     if m.moe_dispatcher not in schema.DISPATCHERS:
         err.add(f"{key}.moe_dispatcher", m.moe_dispatcher, f"valid: {', '.join(schema.DISPATCHERS)}")
