@@ -8,8 +8,9 @@ Parts
 * ``overhead``: wall time of ``launch <Nano example> --dry-run`` and of
   ``pytest tests/test_examples_resolve.py`` as subprocesses (median and min of ``--runs``).
 * ``stages``: ``launch examples/tiny/Qwen3-MoE-tiny/megatron_lm_ptq.yaml`` with only quantize and
-  export enabled (mmlu, vllm_smoke off), on a random Qwen3-MoE checkpoint of the tiny shape and
-  a 2x-wider variant (hidden 256, head dim 64, expert FFN 256), at each ``--calib-sizes`` (samples
+  export enabled (mmlu, vllm_smoke off), on random 4-layer Qwen3-MoE checkpoints of each
+  ``--widths`` hidden size (128 is the tiny shape; 256 the 2x-wider one: head dim 64, expert FFN
+  256; on a GPU e.g. ``--device cuda --widths 1024,2048``), at each ``--calib-sizes`` (samples
   of at most 256 tokens).  Reported: the stage wall time from metadata.json (process start to
   exit: imports, rendezvous, build, work) and the stages' own timings (quantize/summary.json:
   build_and_import_s, calibrate_and_quantize_s; export/verify.json:
@@ -37,15 +38,17 @@ TINY = "examples/tiny/Qwen3-MoE-tiny/megatron_lm_ptq.yaml"
 VENV_BIN = os.path.dirname(sys.executable)
 
 
-def _exe(name: str) -> str:
-    p = os.path.join(VENV_BIN, name)
-    return p if os.path.exists(p) else name
+def _launch() -> list[str]:
+    """The ``launch`` console script of this interpreter's venv, else ``python -m launcher.cli``
+    (a machine where the package is only on PYTHONPATH, e.g. the GPU machine)."""
+    p = os.path.join(VENV_BIN, "launch")
+    return [p] if os.path.exists(p) else [sys.executable, "-m", "launcher.cli"]
 
 
 def overhead(runs: int) -> dict:
     out = {}
     log(f"launch {NANO} --dry-run x {runs}")
-    out["launch_dry_run_nano"] = median_wall([_exe("launch"), NANO, "--dry-run"], runs)
+    out["launch_dry_run_nano"] = median_wall([*_launch(), NANO, "--dry-run"], runs)
     log(f"pytest tests/test_examples_resolve.py x {runs}")
     out["pytest_test_examples_resolve"] = median_wall(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_examples_resolve.py"], runs)
@@ -80,7 +83,15 @@ def _stage_timings(run_dir: str) -> dict:
     return out
 
 
-def stages(calib_sizes: list[int], ranks: int, work: str, timeout_s: int) -> list[dict]:
+def model_shape(width: int) -> dict:
+    """A random 4-layer, 8-expert top-2 Qwen3-MoE of hidden size ``width`` (128: the tiny shape;
+    head dim 32..128, expert FFN = width)."""
+    heads = max(4, width // 128)
+    return dict(hidden=width, heads=heads, head_dim=min(128, width // heads), moe_ffn=width)
+
+
+def stages(calib_sizes: list[int], ranks: int, work: str, timeout_s: int, widths: list[int],
+           device: str) -> list[dict]:
     rows = read_jsonl(MMLU_JSONL)
     tok = train_small_tokenizer(os.path.join(work, "tok"),
                                 [r["question"] + "\n" + "\n".join(r["choices"]) for r in rows[::3]], 1024)
@@ -89,15 +100,12 @@ def stages(calib_sizes: list[int], ranks: int, work: str, timeout_s: int) -> lis
         for r in rows[: max(calib_sizes) * 2]:
             text = r["question"] + "\n" + "\n".join(f"{l}. {c}" for l, c in zip("ABCD", r["choices"]))
             f.write(json.dumps({"text": text * 3}) + "\n")    # ~256 tokens each after truncation
-    models = {
-        "tiny (hidden 128)": dict(hidden=128, head_dim=32, moe_ffn=128),
-        "2x wide (hidden 256)": dict(hidden=256, head_dim=64, moe_ffn=256),
-    }
+    models = {f"hidden {w}": model_shape(w) for w in widths}
     results = []
     for mname, m in models.items():
-        hf = write_random_qwen3_moe(os.path.join(work, mname.split()[0] + str(m["hidden"])), tok,
-                                    hidden=m["hidden"], layers=4, heads=4, kv_heads=2, head_dim=m["head_dim"],
-                                    experts=8, top_k=2, moe_ffn=m["moe_ffn"])
+        hf = write_random_qwen3_moe(os.path.join(work, f"h{m['hidden']}"), tok,
+                                    hidden=m["hidden"], layers=4, heads=m["heads"], kv_heads=2,
+                                    head_dim=m["head_dim"], experts=8, top_k=2, moe_ffn=m["moe_ffn"])
         n_params = sum(os.path.getsize(p) for p in glob.glob(os.path.join(hf, "*.safetensors"))) // 4
         for size in calib_sizes:
             runs_root = os.path.join(work, "runs")
@@ -105,12 +113,13 @@ def stages(calib_sizes: list[int], ranks: int, work: str, timeout_s: int) -> lis
                    if ranks == 1 else {"q": "{tp:1,pp:1,ep:4,etp:1,world_size:4}",
                                        "e": "{tp:1,pp:4,ep:1,etp:1,world_size:4}"})
             job = f"cost-h{m['hidden']}-c{size}"
-            cmd = [_exe("launch"), TINY, f"model.path={hf}", *card_overrides(hf),
+            cmd = [*_launch(), TINY, f"model.path={hf}", *card_overrides(hf),
                    f"stages.quantize.calib.dataset={calib}", f"stages.quantize.calib.size={size}",
                    "stages.quantize.calib.max_seq_len=256", "stages.mmlu.enabled=false",
                    "stages.vllm_smoke.enabled=false", f"stages.quantize.parallel={par['q']}",
-                   f"stages.export.parallel={par['e']}", f"runs_root={runs_root}", f"job_name={job}"]
-            log(f"{mname}, calib {size}: {' '.join(cmd[1:])}")
+                   f"stages.export.parallel={par['e']}", f"runs_root={runs_root}", f"job_name={job}",
+                   f"executor.device={device}"]
+            log(f"{mname}, calib {size}: {' '.join(cmd)}")
             t = time.perf_counter()
             p = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout_s,
                                env={**os.environ, "OMP_NUM_THREADS": "1" if ranks > 1 else "2"})
@@ -133,6 +142,8 @@ def main(argv=None) -> int:
     ap.add_argument("--calib-sizes", default="8,32,128")
     ap.add_argument("--ranks", type=int, choices=(1, 4), default=1)
     ap.add_argument("--timeout", type=int, default=600, help="per launch, seconds")
+    ap.add_argument("--widths", default="128,256", help="hidden sizes of the random Qwen3-MoE models")
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="executor.device")
     args = ap.parse_args(argv)
     parts = set(args.parts.split(","))
     doc: dict = {"benchmark": "pipeline_cost", "args": vars(args), "cpu_count": os.cpu_count()}
@@ -149,7 +160,8 @@ def main(argv=None) -> int:
         print()
     if "stages" in parts:
         work = tempfile.mkdtemp(prefix="bench-cost-")
-        res = stages([int(s) for s in args.calib_sizes.split(",")], args.ranks, work, args.timeout)
+        res = stages([int(s) for s in args.calib_sizes.split(",")], args.ranks, work, args.timeout,
+                     [int(w) for w in args.widths.split(",")], args.device)
         doc["stages"] = res
         base = {r["model"]: r for r in res if r["calib_size"] == res[0]["calib_size"]}
         rows = []

@@ -365,7 +365,7 @@ def test_reference_tolerance_admits_a_rare_rounding_tie_only(exports):
     """One element one E2M1 step off passes (a GPU rounding tie); many, or wrong data, fail."""
     from launcher.export.dequant import quantization_step
     from launcher.export.safetensors_dir import load_tensors, read_all_headers
-    from launcher.export.verify_values import compare_references
+    from launcher.export.verify_values import MAX_FLIP_FRACTION, compare_references
 
     d = exports["nvfp4"]
     a, b = "model.layers.0.mlp.experts.1.gate_proj", "model.layers.0.mlp.experts.2.gate_proj"
@@ -377,6 +377,18 @@ def test_reference_tolerance_admits_a_rare_rounding_tie_only(exports):
     one_tie[3, 5] += step[3, 5]
     [ok] = compare_references(d, {a: ("expert", one_tie)}, "nvfp4")
     assert "error" not in ok and ok["mismatched"] == ok["flips"] == 1 and ok["bit_exact"] is False
+    assert (ok["flip_blocks"], ok["blocks"]) == (1, one_tie.numel() // 16)
+    # the bound is exactly MAX_FLIP_FRACTION of the elements: k flips pass, k + 1 fail
+    k = int(MAX_FLIP_FRACTION * one_tie.numel())
+    flat = refs[a][1].clone().reshape(-1)
+    flat[: k + 1] += step.reshape(-1)[: k + 1]
+    at_bound = refs[a][1].clone().reshape(-1)
+    at_bound[:k] += step.reshape(-1)[:k]
+    [edge] = compare_references(d, {a: ("expert", at_bound.view_as(one_tie))}, "nvfp4")
+    [over] = compare_references(d, {a: ("expert", flat.view_as(one_tie))}, "nvfp4")
+    assert "error" not in edge and edge["flips"] == k and edge["flip_blocks"] == -(-k // 16), edge
+    assert over["error"].startswith(f"{a}: exported weight differs from the Megatron model's fake-quantized "
+                                    f"weight: {k + 1} of {one_tie.numel()} elements rounded differently"), over
     many = refs[a][1] + step   # every element one step off: beyond the mismatch fraction
     [bad] = compare_references(d, {a: ("expert", many)}, "nvfp4")
     assert bad["error"].startswith(f"{a}: exported weight differs from the Megatron model's fake-quantized weight: "

@@ -1,10 +1,15 @@
 """GPU checks (run on the lent H200; skipped without CUDA): real ModelOpt kernels.
 
 1. The CPU NVFP4 path (launcher.megatron.cpu_compat.nvfp4_fake_quant_cpu, built on ModelOpt's
-   NVFP4QTensor) against ModelOpt's GPU dynamic-block-quant kernel on the same weights: the tiny
-   checkpoint's 2-D weights plus random bf16/fp32 tensors.  Reports max |diff| and the fraction of
-   elements that are bit-identical (printed, and written to $GPU_REPORT_DIR/nvfp4_cpu_vs_gpu.json
-   when set); asserts they agree up to rare rounding ties of at most one E2M1 step.
+   NVFP4QTensor) against ModelOpt's GPU dynamic-block-quant kernel (triton) on the same weights:
+   the tiny checkpoint's 2-D weights plus random bf16/fp32 tensors.  Reports, per tensor, the
+   fraction of bit-identical elements, of elements equal up to arithmetic order (within 4 ulps of
+   the dtype: the kernel multiplies q * fp8_scale * global_scale in another order) and of
+   "flips" (an element rounded to another E2M1 value: a rounding tie broken differently), printed
+   and written to $GPU_REPORT_DIR/nvfp4_cpu_vs_gpu.json when set.  Asserts flips are at most
+   0.1% of each tensor and each within one E2M1 step.  Measured on the H200 (2026-12-02): fp32
+   tensors 0 flips but only 7-50% bit-identical (1-2 ulp differences); random bf16 12 flips in
+   131,072 elements.
 2. The tiny Qwen3-MoE model quantized with NVFP4_DEFAULT_CFG and FP8_DEFAULT_CFG on one GPU
    (bf16, Float16Module) through the product code; every expert quantized, logits finite and
    close to the unquantized ones.
@@ -14,6 +19,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import pytest
@@ -41,11 +47,14 @@ def compare(x: "torch.Tensor") -> dict:
     cpu = nvfp4_fake_quant_cpu(x.cpu(), 16, amax.cpu()).float()
     gpu = gpu_nvfp4(x, amax).float()
     diff = (cpu - gpu).abs()
+    ulps = 4 * torch.finfo(x.dtype).eps * torch.maximum(cpu.abs(), gpu.abs())
+    flips = diff > ulps
     # one E2M1 step at the largest block scale bounds a rounding-tie disagreement
     step = 2.0 * amax.item() / E2M1_MAX
     return {"shape": list(x.shape), "dtype": str(x.dtype), "max_abs_diff": diff.max().item(),
             "bit_identical_fraction": (cpu == gpu).float().mean().item(),
-            "bit_identical": bool(torch.equal(cpu, gpu)), "one_step": step}
+            "same_up_to_arithmetic_fraction": 1.0 - flips.float().mean().item(),
+            "flips": int(flips.sum()), "bit_identical": bool(torch.equal(cpu, gpu)), "one_step": step}
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +75,8 @@ def test_cpu_nvfp4_path_matches_gpu_kernel(tiny_moe):
     worst = max(r["max_abs_diff"] for r in rows.values())
     identical = sum(r["bit_identical"] for r in rows.values())
     report = {"tensors": len(rows), "bit_identical_tensors": identical, "worst_max_abs_diff": worst,
+              "flips": sum(r["flips"] for r in rows.values()),
+              "elements": sum(math.prod(r["shape"]) for r in rows.values()),
               "min_bit_identical_fraction": min(r["bit_identical_fraction"] for r in rows.values()),
               "per_tensor": rows}
     print(json.dumps({k: v for k, v in report.items() if k != "per_tensor"}, indent=1))
@@ -74,7 +85,7 @@ def test_cpu_nvfp4_path_matches_gpu_kernel(tiny_moe):
         with open(os.path.join(os.environ["GPU_REPORT_DIR"], "nvfp4_cpu_vs_gpu.json"), "w") as f:
             json.dump(report, f, indent=1)
     for name, r in rows.items():
-        assert r["bit_identical_fraction"] > 0.999, (name, r)
+        assert r["flips"] <= 1e-3 * math.prod(r["shape"]), (name, r)
         assert r["max_abs_diff"] <= r["one_step"] + 1e-6, (name, r)
 
 

@@ -38,9 +38,15 @@ def logits_worker(hf_path: str, layouts: list[dict]) -> dict:
         model = build_model(hf_path, dims, "cpu", "bfloat16", "alltoall")
         import_hf_weights(model, hf_path, "float32")
         logits = forward_logits(model, tokens)
+        positions = torch.tensor([11, 4])   # LM head at one position per row only (the MMLU gate's call)
+        at = forward_logits(model, tokens, positions=positions)
+        rows = torch.arange(2)
         key = "_".join(f"{k}{v}" for k, v in layout.items())
         out[key] = {
             "max_abs_diff": None if logits is None else float((logits - reference).abs().max()),
+            "positions_shape": None if at is None else list(at.shape),
+            "positions_vs_full": None if at is None else float((at - logits[rows, positions]).abs().max()),
+            "positions_vs_transformers": None if at is None else float((at - reference[rows, positions]).abs().max()),
             "shape": None if logits is None else list(logits.shape),
             "param_dtype": str(next(model.parameters()).dtype),
             "group_mismatch": mismatched,
@@ -63,6 +69,15 @@ def test_megatron_logits_match_transformers_ep4_and_pp2_ep2(random_tiny_moe):
     assert all(d is not None and d < LOGITS_TOLERANCE for d in ep4), ep4
     assert pp2[:2] == [None, None] and all(d is not None and d < LOGITS_TOLERANCE for d in pp2[2:]), pp2
     assert results[0]["ep4"]["shape"] == [2, 12, 264]
+    # forward_logits(positions=...): the LM head on one hidden state per row gives those rows'
+    # logits of the full forward (same GEMM inner dimension; fp32 summation order may differ)
+    for rank, per_layout in enumerate(results):
+        for layout, r in per_layout.items():
+            if r["max_abs_diff"] is None:
+                assert r["positions_shape"] is None, (rank, layout, r)
+                continue
+            assert r["positions_shape"] == [2, 264], (rank, layout, r)
+            assert r["positions_vs_full"] < 1e-5 and r["positions_vs_transformers"] < LOGITS_TOLERANCE, (rank, layout, r)
 
 
 def test_unknown_architecture_lists_supported(tmp_path):

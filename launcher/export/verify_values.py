@@ -8,13 +8,15 @@
 * ``compare_references``: dequantized weights vs references computed from the in-memory
   Megatron model (``megatron_ref``: ``weight_quantizer(weight)``), compared in the reference's
   dtype.  The stated tolerance: every element within ``ULP_BUDGET`` (4) units in the last place
-  of the reference dtype, except at most ``MAX_FLIP_FRACTION`` (0.1%) of the elements, which
+  of the reference dtype, except at most ``MAX_FLIP_FRACTION`` (1%) of the elements, which
   may be one quantization step of the exported format off (``dequant.quantization_step``;
   unquantized weights: no step).  Measured on CPU: NVFP4 bit-exact (both sides run ModelOpt's
   NVFP4QTensor arithmetic); FP8 within 1 fp32 ulp on most elements (multiply vs divide by the
-  scale), 0 flips.  GPU kernels may break rounding ties differently (tests/test_gpu_quantize.py
-  measures how rarely), which the step bound admits and the fraction bound keeps rare.  Wrong
-  data (another expert's weights) fails both bounds.
+  scale), 0 flips.  Measured on the H200 (bf16 model; the reference is ModelOpt's triton
+  fake-quant kernel, the export its torch NVFP4QTensor path): 72 of 196,608 sampled elements
+  flipped, at most 59 of 16,384 (0.36%) in one expert, all within one step - the two
+  implementations break rounding ties differently; ``flip_blocks`` counts the 16-element NVFP4
+  blocks they fall in.  Wrong data (another expert's weights) fails both bounds.
 """
 from __future__ import annotations
 
@@ -32,7 +34,8 @@ SOURCE_REL_ERR_MAX = {"nvfp4": 0.25, "fp8": 0.08}
 # scale); beyond that an element was rounded to another representable value, which at most
 # MAX_FLIP_FRACTION of the elements may be (rounding ties), each by at most one step.
 ULP_BUDGET = 4
-MAX_FLIP_FRACTION = 1e-3
+MAX_FLIP_FRACTION = 1e-2
+NVFP4_BLOCK = 16
 
 _KIND_RULES = (
     ("expert", re.compile(r"\.experts\.\d+\.")),
@@ -177,6 +180,10 @@ def compare_references(export_dir: str, references: dict, fmt: str,
         over = int((diff > step + ulps).sum())             # beyond one quantization step: wrong data
         entry.update(max_abs_diff=diff.max().item(), elements=diff.numel(),
                      mismatched=int((diff != 0).sum()), flips=flips, bit_exact=bool((diff == 0).all()))
+        if flips and fmt == "nvfp4" and m in deq and ref.shape[-1] % NVFP4_BLOCK == 0:
+            flipped = (diff > ulps).reshape(*ref.shape[:-1], -1, NVFP4_BLOCK)
+            entry["flip_blocks"] = int(flipped.any(dim=-1).sum())
+            entry["blocks"] = flipped.numel() // NVFP4_BLOCK
         if over or flips > MAX_FLIP_FRACTION * diff.numel():
             what = "fake-quantized weight" if m in deq else "weight"
             entry["error"] = (f"{m}: exported weight differs from the Megatron model's {what}: {flips} of "

@@ -2,10 +2,16 @@
 
 Every rank of a model-parallel group must call ``forward_logits`` with the same tokens shape:
 the pipeline sends activations between stages and MoE layers run collectives over the EP group.
+
+``positions`` (one index per row) asks for the logits at those positions only: the LM head then
+runs on ``batch`` hidden states instead of ``batch * seq`` (GPTModel's ``output_processor``
+hook).  The MMLU gate needs only each prompt's last real token; for a 1B dense model with a
+150k vocabulary the LM head is about a quarter of the forward's matmul FLOPs at every position,
+and the full [b, s, V] float32 logits of one large batch are tens of GB.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:
     import torch
@@ -22,8 +28,31 @@ def model_device(model) -> "torch.device":
     return next(model.parameters()).device
 
 
-def forward_logits(model, tokens: "torch.Tensor") -> "torch.Tensor | None":
-    """Logits [b, s, V] (float32) for ``tokens`` [b, s] on the last PP stage; None elsewhere."""
+def _logits_at(positions: "torch.Tensor"):
+    """A GPTModel ``output_processor``: the LM head on hidden_states[positions[b], b] only.
+
+    Returns [b, 1, V] (batch first, as GPTModel returns logits), so the pipeline schedule and
+    Float16Module's fp32 cast treat it like ordinary logits.
+    """
+    import torch
+
+    def process(*, hidden_states, output_layer, output_weight, runtime_gather_output, scale_logits,
+                **_unused):
+        rows = torch.arange(hidden_states.shape[1], device=hidden_states.device)
+        picked = hidden_states[positions.to(hidden_states.device), rows].unsqueeze(0)   # [1, b, h]
+        logits, _ = output_layer(picked, weight=output_weight, runtime_gather_output=runtime_gather_output)
+        return scale_logits(logits).transpose(0, 1).contiguous()
+
+    return process
+
+
+def forward_logits(model, tokens: "torch.Tensor",
+                   positions: "Optional[torch.Tensor]" = None) -> "torch.Tensor | None":
+    """Float32 logits on the last PP stage, None elsewhere.
+
+    tokens [b, s]; without ``positions`` the result is [b, s, V]; with ``positions`` (a length-b
+    integer tensor, 0 <= positions[i] < s) it is [b, V], row i taken at position positions[i].
+    """
     import torch
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -32,11 +61,18 @@ def forward_logits(model, tokens: "torch.Tensor") -> "torch.Tensor | None":
     device = model_device(model)
     tokens = tokens.to(device)
     batch, seq = tokens.shape
+    kwargs = {}
+    if positions is not None:
+        positions = torch.as_tensor(positions, dtype=torch.long)
+        if positions.shape != (batch,) or int(positions.min()) < 0 or int(positions.max()) >= seq:
+            raise ValueError(f"positions must be {batch} indices in [0, {seq}), got "
+                             f"{positions.tolist() if positions.numel() <= 16 else tuple(positions.shape)}")
+        kwargs["output_processor"] = _logits_at(positions)
     position_ids = torch.arange(seq, device=device).unsqueeze(0).expand(batch, seq)
     mask = causal_attention_mask(seq, device)
 
     def forward_step(data_iterator, step_model):
-        output = step_model(next(data_iterator), position_ids, mask)
+        output = step_model(next(data_iterator), position_ids, mask, **kwargs)
         return output, lambda output_tensor, non_loss_data=False: output_tensor
 
     with torch.no_grad():
@@ -52,4 +88,5 @@ def forward_logits(model, tokens: "torch.Tensor") -> "torch.Tensor | None":
         )
     if not outputs:
         return None
-    return outputs[0].float()
+    logits = outputs[0].float()
+    return logits[:, 0] if positions is not None else logits

@@ -1,9 +1,10 @@
 """The torch side: run a shard plan through a Megatron model and gather per-prompt results.
 
 ``run_plan`` executes this rank's steps (guard check before every forward, one prefill per
-batch, right padding: causal attention leaves the real positions untouched), reads the four
-choice logits at each prompt's last real token on the last pipeline stage, and keeps the rows of
-the batches this rank owns.  ``gather_to_rank0`` collects them on rank 0.
+batch, right padding: causal attention leaves the real positions untouched), runs the LM head
+only at each prompt's last real token (``forward_logits(positions=...)``), reads the four choice
+logits there on the last pipeline stage, and keeps the rows of the batches this rank owns.
+``gather_to_rank0`` collects them on rank 0.
 """
 from __future__ import annotations
 
@@ -43,20 +44,20 @@ def run_plan(model, token_ids: Sequence[Sequence[int]], batches: Sequence[Batch]
         guard.check(i, n, st.padded_len, st.rows)
         tokens = torch.full((st.rows, st.padded_len), int(pad_id), dtype=torch.long)
         batch = batches[st.batch] if st.batch is not None else None
+        last = torch.zeros(st.rows, dtype=torch.long)   # dummy rows: position 0
         if batch is not None:
             for row, p in enumerate(batch.items):
                 ids = token_ids[p]
                 tokens[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+                last[row] = len(ids) - 1
         ts = time.time()
-        logits = forward_logits(model, tokens)
+        logits = forward_logits(model, tokens, positions=last)   # [rows, V]: each row's last real token
         run.step_seconds.append(time.time() - ts)
         run.forward_calls += 1
         if batch is None:
             run.dummies += 1
         elif logits is not None and plan.owner.get(st.batch) == rank:
-            last = torch.tensor([len(token_ids[p]) - 1 for p in batch.items], dtype=torch.long)
-            rows = torch.arange(len(batch.items))
-            sel = logits[rows, last][:, choice].float().cpu()
+            sel = logits[: len(batch.items)][:, choice.to(logits.device)].float().cpu()
             for row, p in enumerate(batch.items):
                 vals = sel[row].tolist()
                 run.results[p] = (int(sel[row].argmax().item()), vals)

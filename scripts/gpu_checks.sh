@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# The GPU checks of issues 3 and 8, on one NVIDIA GPU (the lent H200), in one call.
+#
+#   bash scripts/gpu_checks.sh REPORT_DIR [PART ...]
+#
+# Parts (default: tests pipeline), run in the order given:
+#   tests        pytest -m gpu: CPU NVFP4 path vs ModelOpt's GPU kernel (bit-exactness report),
+#                tiny Qwen3-MoE quantized NVFP4 + FP8 on the GPU, quantize -> export -> verify
+#   pipeline     `launch examples/tiny/...` end to end on cuda at world size 1 (quantize NVFP4 ->
+#                MMLU gate -> export), needs the tiny build under $PTQ_CACHE_DIR or .cache/tiny
+#   bench-smoke  benchmarks/mmlu_gpu.py on a handful of questions (does the script run on GPU?)
+#   cost         benchmarks/pipeline_cost.py on cuda: launcher overhead, quantize and export time
+#                of random 4-layer Qwen3-MoE models of hidden 1024 and 2048 at 16 and 128 samples
+#   bench        benchmarks/mmlu_gpu.py as quoted in README "Performance" (dense 1,430 questions,
+#                MoE 8 layers 290 questions; about 5 minutes)
+#
+# Python packages the image lacks travel as wheels in .whl/ (benchmarks/README.md says which);
+# they are installed with --target into /tmp/site.  Reports land in REPORT_DIR.
+set -uo pipefail
+out=${1:?usage: gpu_checks.sh REPORT_DIR [tests] [pipeline] [bench-smoke] [bench] [cost]}
+shift
+parts=${*:-tests pipeline}
+mkdir -p "$out"
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$root
+else
+  export PYTHONPATH=$root
+fi
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$out/parts.txt"
+python3 -c "import torch, megatron.core, modelopt; print('torch', torch.__version__, 'mcore', megatron.core.__version__, 'modelopt', modelopt.__version__)" | tee -a "$out/parts.txt"
+status=0
+for part in $parts; do
+  t0=$(date +%s)
+  case $part in
+    tests)
+      GPU_REPORT_DIR=$out timeout 300 python3 -m pytest -m gpu -p no:cacheprovider -s -q \
+        tests/test_gpu_quantize.py tests/test_export_stage.py 2>&1 | tee "$out/tests.log" ;;
+    pipeline)
+      timeout 150 python3 -m launcher.cli examples/tiny/Qwen3-MoE-tiny/megatron_lm_ptq.yaml \
+        executor.device=cuda 'stages.quantize.parallel={ep:1,world_size:1}' \
+        'stages.mmlu.parallel={ep:1,world_size:1}' 'stages.export.parallel={pp:1,world_size:1}' \
+        stages.vllm_smoke.enabled=false runs_root=/tmp/gpu-runs 2>&1 | tee "$out/pipeline.log"
+      rc=${PIPESTATUS[0]}
+      run=$(ls -d /tmp/gpu-runs/*/* 2>/dev/null | tail -1)
+      [ -n "$run" ] && tar -C "$run" -czf "$out/pipeline_run.tgz" --exclude='checkpoint*' --exclude='hf' \
+        --exclude='*.safetensors' . ;
+      (exit $rc) ;;
+    bench-smoke)
+      timeout 120 python3 benchmarks/mmlu_gpu.py --out "$out/smoke" --fraction 0.01 --moe-fraction 0.005 \
+        --moe-layers 2 --ours 64:8192 --ref-batch-sizes 1,8 2>&1 | tee "$out/bench_smoke.log" ;;
+    bench)
+      timeout 560 python3 benchmarks/mmlu_gpu.py --out "$out/bench" --fraction 0.1 --moe-fraction 0.02 \
+        --moe-layers 8 --ours 64:8192,256:16384,512:32768 --ref-batch-sizes 1,4,16,32 2>&1 | tee "$out/bench.log" ;;
+    cost)
+      timeout 400 python3 benchmarks/pipeline_cost.py --out "$out/pipeline_cost.json" --parts overhead,stages \
+        --runs 1 --device cuda --widths 1024,2048 --calib-sizes 16,128 2>&1 | tee "$out/cost.log" ;;
+    *) echo "unknown part '$part' (valid: tests pipeline bench-smoke bench cost)"; exit 2 ;;
+  esac
+  rc=${PIPESTATUS[0]}
+  echo "== $part: exit $rc in $(( $(date +%s) - t0 )) s" | tee -a "$out/parts.txt"
+  [ "$rc" = 0 ] || status=1
+done
+exit $status
