@@ -514,7 +514,26 @@ def main(argv=None) -> int:
     results = []
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     failed = []
+    path = os.path.join(args.out, "mmlu_gpu.json")
+
+    def save() -> dict:
+        """Write what is measured so far (after each model: a cut-off run keeps the first)."""
+        for r in results:
+            r["targets"] = {"ours_best>=5x_ref_default": r["ratios"]["ours_best_over_ref_default"] >= 5,
+                            "ours_best>=1.5x_ref_best": r["ratios"]["ours_best_over_ref_best"] >= 1.5}
+            if r["model"] == "dense":
+                r["targets"]["dense_mfu>=0.30"] = r["ours_best"]["mfu_datasheet"] >= 0.30
+        doc = {"benchmark": "mmlu_gpu", "device": device_name, "args": vars(args), "torch": torch.__version__,
+               "peaks": {"datasheet_bf16_dense": PEAK_DATASHEET, "measured_matmul": PEAK_MEASURED},
+               "flops_formula": "useful per prompt: 2*N_body*s + 4*n_layers*s^2*n_heads*head_dim + "
+                                "2*hidden*vocab (LM head once)",
+               "results": results, "failed": failed, "total_s": time.perf_counter() - t_all}
+        os.makedirs(args.out, exist_ok=True)
+        write_json(path, doc)
+        return doc
+
     for name in [m for m in args.models.split(",") if m]:
+        before = len(results)
         try:
             results.append(bench_model(name, cfgs[name], args, tokenizer, work))
         except Exception as e:  # one model failing (e.g. out of memory) still reports the other
@@ -524,20 +543,10 @@ def main(argv=None) -> int:
             failed.append({"model": name, "error": f"{type(e).__name__}: {e}"[:2000]})
             if args.device == "cuda":
                 torch.cuda.empty_cache()
+        print_report(results[before:], args)
+        save()
     shutdown()
-    print_report(results, args)
-    doc = {"benchmark": "mmlu_gpu", "device": device_name, "args": vars(args), "torch": torch.__version__,
-           "peaks": {"datasheet_bf16_dense": PEAK_DATASHEET, "measured_matmul": PEAK_MEASURED},
-           "flops_formula": "useful per prompt: 2*N_body*s + 4*n_layers*s^2*n_heads*head_dim + 2*hidden*vocab (LM head once)",
-           "results": results, "failed": failed, "total_s": time.perf_counter() - t_all}
-    for r in results:
-        r["targets"] = {"ours_best>=5x_ref_default": r["ratios"]["ours_best_over_ref_default"] >= 5,
-                        "ours_best>=1.5x_ref_best": r["ratios"]["ours_best_over_ref_best"] >= 1.5}
-        if r["model"] == "dense":
-            r["targets"]["dense_mfu>=0.30"] = r["ours_best"]["mfu_datasheet"] >= 0.30
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "mmlu_gpu.json")
-    write_json(path, doc)
+    doc = save()
     print(f"\nwrote {path} (total {doc['total_s']:.0f} s)")
     for f in failed:
         print(f"FAILED {f['model']}: {f['error']}")
