@@ -9,6 +9,7 @@
 #   pipeline     `launch examples/tiny/...` end to end on cuda at world size 1 (quantize NVFP4 ->
 #                MMLU gate -> export), needs the tiny build under $PTQ_CACHE_DIR or .cache/tiny
 #   bench-smoke  benchmarks/mmlu_gpu.py on a handful of questions (does the script run on GPU?)
+#   probe        scripts/gpu_quant_probe.py: ModelOpt's CUDA fake-quant kernels vs export arithmetic
 #   cost         benchmarks/pipeline_cost.py on cuda: launcher overhead, quantize and export time
 #                of random 4-layer Qwen3-MoE models of hidden 1024 and 2048 at 16 and 128 samples
 #   bench        benchmarks/mmlu_gpu.py as quoted in README "Performance" (dense 1,430 questions,
@@ -17,7 +18,7 @@
 # Python packages the image lacks travel as wheels in .whl/ (benchmarks/README.md says which);
 # they are installed with --target into /tmp/site.  Reports land in REPORT_DIR.
 set -uo pipefail
-out=${1:?usage: gpu_checks.sh REPORT_DIR [tests] [pipeline] [bench-smoke] [bench] [cost]}
+out=${1:?usage: gpu_checks.sh REPORT_DIR [tests] [pipeline] [bench-smoke] [bench] [probe] [cost]}
 shift
 parts=${*:-tests pipeline}
 mkdir -p "$out"
@@ -56,10 +57,12 @@ for part in $parts; do
     bench)
       timeout 300 python3 benchmarks/mmlu_gpu.py --out "$out/bench" --fraction 0.1 --moe-fraction 0.02 \
         --moe-layers 4 --ours 64:8192,256:16384,512:32768,1024:65536 --ref-batch-sizes 1,8,32,64 2>&1 | tee "$out/bench.log" ;;
+    probe)
+      timeout 120 python3 scripts/gpu_quant_probe.py 2>&1 | tee "$out/probe.log" ;;
     cost)
       timeout 400 python3 benchmarks/pipeline_cost.py --out "$out/pipeline_cost.json" --parts overhead,stages \
         --runs 1 --device cuda --widths 1024,2048 --calib-sizes 16,128 2>&1 | tee "$out/cost.log" ;;
-    *) echo "unknown part '$part' (valid: tests pipeline bench-smoke bench cost)"; exit 2 ;;
+    *) echo "unknown part '$part' (valid: tests pipeline bench-smoke bench probe cost)"; exit 2 ;;
   esac
   rc=${PIPESTATUS[0]}
   echo "== $part: exit $rc in $(( $(date +%s) - t0 )) s" | tee -a "$out/parts.txt"

@@ -379,7 +379,7 @@ def test_reference_tolerance_admits_a_rare_rounding_tie_only(exports):
     assert "error" not in ok and ok["mismatched"] == ok["flips"] == 1 and ok["bit_exact"] is False
     assert (ok["flip_blocks"], ok["blocks"]) == (1, one_tie.numel() // 16)
     # the bound is exactly MAX_FLIP_FRACTION of the elements: k flips pass, k + 1 fail
-    k = int(MAX_FLIP_FRACTION * one_tie.numel())
+    k = int(MAX_FLIP_FRACTION["nvfp4"] * one_tie.numel())
     flat = refs[a][1].clone().reshape(-1)
     flat[: k + 1] += step.reshape(-1)[: k + 1]
     at_bound = refs[a][1].clone().reshape(-1)

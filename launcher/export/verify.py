@@ -100,7 +100,7 @@ def verify_export(export_dir: str, fmt: str, *, source_dir: Optional[str] = None
             _guarded(findings, "dequantized weights vs the source", values.quantized_vs_source,
                      export_dir, source_dir, tensors, source, kinds, fmt, samples, findings)
         if reference_results is not None:
-            values.summarize_references(reference_results, findings)
+            values.summarize_references(reference_results, findings, fmt)
         elif fmt != "none":
             warnings.append("dequantized weights were not compared with a Megatron model (no references)")
     size = layout.size_report(export_dir, tensors, kinds, fmt, source_dir, source)

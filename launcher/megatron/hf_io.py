@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 
+from launcher.megatron.modelopt_fixes import apply_modelopt_fixes
 from launcher.megatron.models import resolve_dtype, unwrap_model
 
 TOKENIZER_FILES = (
@@ -53,6 +54,7 @@ def export_hf(model, hf_path: str, export_dir: str, dtype="bfloat16") -> list[st
     from modelopt.torch.export import export_mcore_gpt_to_hf
 
     _check_export_layout()
+    apply_modelopt_fixes()
     rank = dist.get_rank()
     if rank == 0:
         os.makedirs(export_dir, exist_ok=True)
