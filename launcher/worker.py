@@ -17,15 +17,6 @@ import traceback
 STAGES_WITHOUT_MEGATRON = frozenset({"vllm_smoke"})
 
 
-def _env_int(*names: str, default: int | None = None) -> int:
-    for n in names:
-        if os.environ.get(n) not in (None, ""):
-            return int(os.environ[n])
-    if default is None:
-        raise RuntimeError(f"none of {names} is set: start workers through `launch` (local or slurm executor)")
-    return default
-
-
 def choose_device(requested: str, local_world: int) -> str:
     import torch
 
@@ -64,7 +55,7 @@ def main(argv: list[str]) -> int:
         print(f"[{stage} r{rank}] started with WORLD_SIZE={world} but stages.{stage}.parallel needs "
               f"{dims.world_size} ranks", file=sys.stderr, flush=True)
         return EXIT_PREFLIGHT
-    local_world = _env_int("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", default=world)
+    local_world = env["local_world_size"]
     device = choose_device(cfg.executor.device, local_world)
     timeout_s = float(cfg.stages[stage].get("collective_timeout_s") or cfg.executor.collective_timeout_s)
     ctx = StageContext(name=stage, cfg=cfg, run_dir=run_dir, rank=rank, world_size=world,

@@ -46,7 +46,7 @@ for part in $parts; do
         executor.device=cuda 'stages.quantize.parallel={ep:1,world_size:1}' \
         'stages.mmlu.parallel={ep:1,world_size:1}' 'stages.export.parallel={pp:1,world_size:1}' \
         stages.vllm_smoke.enabled=false runs_root=/tmp/gpu-runs 2>&1 | tee "$out/pipeline.log"
-      rc=${PIPESTATUS[0]}
+      rc=$?
       run=$(ls -d /tmp/gpu-runs/*/* 2>/dev/null | tail -1)
       [ -n "$run" ] && tar -C "$run" -czf "$out/pipeline_run.tgz" --exclude='checkpoint*' --exclude='hf' \
         --exclude='*.safetensors' . ;
@@ -64,7 +64,7 @@ for part in $parts; do
         --runs 1 --device cuda --widths 1024,2048 --calib-sizes 16,128 2>&1 | tee "$out/cost.log" ;;
     *) echo "unknown part '$part' (valid: tests pipeline bench-smoke bench probe cost)"; exit 2 ;;
   esac
-  rc=${PIPESTATUS[0]}
+  rc=$?   # pipefail: the status of the part's command, not of tee
   echo "== $part: exit $rc in $(( $(date +%s) - t0 )) s" | tee -a "$out/parts.txt"
   [ "$rc" = 0 ] || status=1
 done

@@ -39,6 +39,10 @@ ULP_BUDGET = 4
 MAX_FLIP_FRACTION = {"nvfp4": 1e-2, "fp8": 1e-3}
 NVFP4_BLOCK = 16
 
+
+def max_flip_fraction(fmt: str) -> float:
+    return MAX_FLIP_FRACTION.get(fmt, 1e-3)
+
 _KIND_RULES = (
     ("expert", re.compile(r"\.experts\.\d+\.")),
     ("shared_expert", re.compile(r"\.shared_experts?\.")),
@@ -178,15 +182,16 @@ def compare_references(export_dir: str, references: dict, fmt: str,
         eps = torch.finfo(ref.dtype).eps if ref.is_floating_point() else 0.0
         ulps = ULP_BUDGET * eps * ref32.abs()           # arithmetic-order differences
         step = steps[m] if m in steps else torch.zeros_like(ref32)
-        flips = int((diff > ulps).sum())                   # elements rounded to another value
+        flipped = diff > ulps                              # elements rounded to another value
+        flips = int(flipped.sum())
         over = int((diff > step + ulps).sum())             # beyond one quantization step: wrong data
         entry.update(max_abs_diff=diff.max().item(), elements=diff.numel(),
                      mismatched=int((diff != 0).sum()), flips=flips, bit_exact=bool((diff == 0).all()))
         if flips and fmt == "nvfp4" and m in deq and ref.shape[-1] % NVFP4_BLOCK == 0:
-            flipped = (diff > ulps).reshape(*ref.shape[:-1], -1, NVFP4_BLOCK)
-            entry["flip_blocks"] = int(flipped.any(dim=-1).sum())
-            entry["blocks"] = flipped.numel() // NVFP4_BLOCK
-        allowed = MAX_FLIP_FRACTION.get(fmt, 1e-3)
+            blocks = flipped.reshape(*ref.shape[:-1], -1, NVFP4_BLOCK)
+            entry["flip_blocks"] = int(blocks.any(dim=-1).sum())
+            entry["blocks"] = blocks.numel() // NVFP4_BLOCK
+        allowed = max_flip_fraction(fmt)
         if over or flips > allowed * diff.numel():
             what = "fake-quantized weight" if m in deq else "weight"
             entry["error"] = (f"{m}: exported weight differs from the Megatron model's {what}: {flips} of "
@@ -213,5 +218,5 @@ def summarize_references(results: list[dict], findings: Findings, fmt: str) -> N
             k["max_abs_diff"] = max(k["max_abs_diff"], r["max_abs_diff"])
     findings.checks["dequant_vs_megatron"] = {
         "tolerance": f"each element within {ULP_BUDGET} ulps of the reference dtype, except <= "
-                     f"{MAX_FLIP_FRACTION.get(fmt, 1e-3):g} of the elements within one quantization step",
+                     f"{max_flip_fraction(fmt):g} of the elements within one quantization step",
         "by_kind": by_kind, "modules": [r["module"] for r in results]}

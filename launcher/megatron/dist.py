@@ -17,7 +17,8 @@ DEVICES = ("cpu", "cuda")
 
 
 def rank_env() -> dict[str, int]:
-    """This process's rank, world size and local rank from torchrun's or Slurm's variables."""
+    """This process's rank, world size, local rank and local world size from torchrun's or
+    Slurm's variables (local ones default to the global ones: a single node)."""
     def pick(*names: str) -> int | None:
         for name in names:
             value = os.environ.get(name)
@@ -35,7 +36,9 @@ def rank_env() -> dict[str, int]:
             "cannot tell this process's rank: set RANK and WORLD_SIZE (torchrun / local executor) "
             "or run under srun (SLURM_PROCID, SLURM_NTASKS)")
     local = pick("LOCAL_RANK", "SLURM_LOCALID")
-    return {"rank": rank, "world_size": world, "local_rank": rank if local is None else local}
+    local_world = pick("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE")
+    return {"rank": rank, "world_size": world, "local_rank": rank if local is None else local,
+            "local_world_size": world if local_world is None else local_world}
 
 
 def init_distributed(dims: "ParallelDims", device: str, timeout_s: float = 120, seed: int = 1234):
