@@ -1,4 +1,4 @@
-"""The pipeline's own cost on CPU: launcher overhead, quantize (calibration) and export time.
+"""The pipeline's own cost on CPU or one GPU: launcher overhead, quantize (calibration) and export time.
 
     .venv/bin/python benchmarks/pipeline_cost.py --out .bench/results/pipeline_cost.json
     .venv/bin/python benchmarks/pipeline_cost.py --parts overhead          # only the launcher
@@ -91,7 +91,9 @@ def model_shape(width: int) -> dict:
 
 
 def stages(calib_sizes: list[int], ranks: int, work: str, timeout_s: int, widths: list[int],
-           device: str) -> list[dict]:
+           device: str, on_result=None) -> list[dict]:
+    """One launch per (width, calibration size); ``on_result(results)`` after each, so a run cut
+    off by a time limit keeps what it measured."""
     rows = read_jsonl(MMLU_JSONL)
     tok = train_small_tokenizer(os.path.join(work, "tok"),
                                 [r["question"] + "\n" + "\n".join(r["choices"]) for r in rows[::3]], 1024)
@@ -130,6 +132,8 @@ def stages(calib_sizes: list[int], ranks: int, work: str, timeout_s: int, widths
             entry = {"model": mname, "params": n_params, "calib_size": size, "ranks": ranks,
                      "launch_wall_s": wall, "run_dir": run_dir, **_stage_timings(run_dir)}
             results.append(entry)
+            if on_result is not None:
+                on_result(results)
             log(f"  -> {json.dumps({k: v for k, v in entry.items() if k in ('quantize', 'export')})}")
     return results
 
@@ -160,8 +164,11 @@ def main(argv=None) -> int:
         print()
     if "stages" in parts:
         work = tempfile.mkdtemp(prefix="bench-cost-")
+        def keep(partial: list[dict]) -> None:
+            write_json(args.out, {**doc, "stages": partial, "complete": False})
+
         res = stages([int(s) for s in args.calib_sizes.split(",")], args.ranks, work, args.timeout,
-                     [int(w) for w in args.widths.split(",")], args.device)
+                     [int(w) for w in args.widths.split(",")], args.device, on_result=keep)
         doc["stages"] = res
         base = {r["model"]: r for r in res if r["calib_size"] == res[0]["calib_size"]}
         rows = []
@@ -176,6 +183,7 @@ def main(argv=None) -> int:
                               "calibrate+quantize s", "build+import s", "export wall s",
                               "export s", "verify s", "calib time vs smallest"], rows))
     doc["total_s"] = time.perf_counter() - t_all
+    doc["complete"] = True
     write_json(args.out, doc)
     print(f"\nwrote {args.out} ({doc['total_s']:.0f} s)")
     return 0

@@ -12,13 +12,14 @@
 #   probe        scripts/gpu_quant_probe.py: ModelOpt's CUDA fake-quant kernels vs export arithmetic
 #   cost         benchmarks/pipeline_cost.py on cuda: launcher overhead, quantize and export time
 #                of random 4-layer Qwen3-MoE models of hidden 1024 and 2048 at 16 and 128 samples
+#   cost-large   the third points: hidden 3072 (0.95 B parameters) at 16 and 512 samples
 #   bench        benchmarks/mmlu_gpu.py as quoted in README "Performance" (dense 1,430 questions,
 #                MoE 4 layers 290 questions; about 4 minutes)
 #
 # Python packages the image lacks travel as wheels in .whl/ (benchmarks/README.md says which);
 # they are installed with --target into /tmp/site.  Reports land in REPORT_DIR.
 set -uo pipefail
-out=${1:?usage: gpu_checks.sh REPORT_DIR [tests] [pipeline] [bench-smoke] [bench] [probe] [cost]}
+out=${1:?usage: gpu_checks.sh REPORT_DIR [tests] [pipeline] [bench-smoke] [bench] [probe] [cost] [cost-large]}
 shift
 parts=${*:-tests pipeline}
 mkdir -p "$out"
@@ -60,9 +61,12 @@ for part in $parts; do
     probe)
       timeout 120 python3 scripts/gpu_quant_probe.py 2>&1 | tee "$out/probe.log" ;;
     cost)
-      timeout 400 python3 benchmarks/pipeline_cost.py --out "$out/pipeline_cost.json" --parts overhead,stages \
+      timeout 540 python3 benchmarks/pipeline_cost.py --out "$out/pipeline_cost.json" --parts overhead,stages \
         --runs 1 --device cuda --widths 1024,2048 --calib-sizes 16,128 2>&1 | tee "$out/cost.log" ;;
-    *) echo "unknown part '$part' (valid: tests pipeline bench-smoke bench probe cost)"; exit 2 ;;
+    cost-large)
+      timeout 400 python3 benchmarks/pipeline_cost.py --out "$out/pipeline_cost_large.json" --parts stages \
+        --device cuda --widths 3072 --calib-sizes 16,512 2>&1 | tee "$out/cost_large.log" ;;
+    *) echo "unknown part '$part' (valid: tests pipeline bench-smoke bench probe cost cost-large)"; exit 2 ;;
   esac
   rc=$?   # pipefail: the status of the part's command, not of tee
   echo "== $part: exit $rc in $(( $(date +%s) - t0 )) s" | tee -a "$out/parts.txt"

@@ -5,7 +5,7 @@
 Counts elements that differ by more than 4 ulps (a "flip": rounded to another value) between
 ModelOpt's fake quantization on CUDA (FP8: scaled_e4m3; NVFP4: the triton block kernel) of a bf16
 N(0, 0.02) tensor and of its fp32 copy, and the single-rounding export arithmetic in fp32.
-Measured on the H200 (2026-12-02): FP8 0 flips from bf16 and from fp32 input (the kernel rounds
+Measured on the H200 (2026-12-02, `bash scripts/gpu_checks.sh $OUT probe`, this version): FP8 0 flips from bf16 and from fp32 input (the kernel rounds
 once, in fp32); NVFP4 702 of 1,048,576 (0.067%) from either input, each within one E2M1 step
 (the triton kernel and NVFP4QTensor break rounding ties differently).
 """
