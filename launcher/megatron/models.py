@@ -90,6 +90,18 @@ def _rope(hf: dict[str, Any]) -> dict[str, Any]:
     raise ValueError(f"rope_type={rope_type!r} is not supported; supported: ['default', 'llama3']")
 
 
+def _attention_kwargs(hf: dict[str, Any]) -> dict[str, Any]:
+    """Hidden size and attention shape, shared by every architecture's TransformerConfig."""
+    heads = hf["num_attention_heads"]
+    return dict(
+        hidden_size=hf["hidden_size"],
+        num_attention_heads=heads,
+        num_query_groups=hf.get("num_key_value_heads") or heads,
+        kv_channels=hf.get("head_dim") or hf["hidden_size"] // heads,
+        ffn_hidden_size=hf["intermediate_size"],
+    )
+
+
 def _gpt_config_kwargs(arch: str, hf: dict[str, Any]) -> dict[str, Any]:
     """TransformerConfig keyword arguments for a GPT-style HF config."""
     import torch.nn.functional as F
@@ -101,14 +113,9 @@ def _gpt_config_kwargs(arch: str, hf: dict[str, Any]) -> dict[str, Any]:
             raise ValueError(f"{key}=true is not supported by this launcher's model builder")
     if hf.get("use_sliding_window"):
         raise ValueError("use_sliding_window=true is not supported (Megatron GPTModel uses full attention)")
-    heads = hf["num_attention_heads"]
     kw = dict(
         num_layers=hf["num_hidden_layers"],
-        hidden_size=hf["hidden_size"],
-        num_attention_heads=heads,
-        num_query_groups=hf.get("num_key_value_heads") or heads,
-        kv_channels=hf.get("head_dim") or hf["hidden_size"] // heads,
-        ffn_hidden_size=hf["intermediate_size"],
+        **_attention_kwargs(hf),
         layernorm_epsilon=float(hf.get("rms_norm_eps", 1e-6)),
         normalization="RMSNorm",
         gated_linear_unit=True,
@@ -237,14 +244,9 @@ def _nemotron_h_config_kwargs(hf: dict[str, Any]) -> dict[str, Any]:
     def squared_relu(x):
         return F.relu(x) ** 2
 
-    heads = hf["num_attention_heads"]
     kw = dict(
         num_layers=len(pattern),
-        hidden_size=hf["hidden_size"],
-        num_attention_heads=heads,
-        num_query_groups=hf.get("num_key_value_heads") or heads,
-        kv_channels=hf.get("head_dim") or hf["hidden_size"] // heads,
-        ffn_hidden_size=hf["intermediate_size"],
+        **_attention_kwargs(hf),
         layernorm_epsilon=float(hf.get("layer_norm_epsilon", 1e-5)),
         normalization="RMSNorm",
         gated_linear_unit=False,
