@@ -32,12 +32,12 @@ def run_plan(model, token_ids: Sequence[Sequence[int]], batches: Sequence[Batch]
              log_every: int = 1) -> EvalRun:
     import torch
 
-    from launcher.megatron.forward import forward_logits
+    from launcher.megatron.forward import forward_logits, model_device
 
     steps = plan.for_rank(rank)
     n = len(steps)
     run = EvalRun(results={})
-    choice = torch.tensor(list(choice_ids), dtype=torch.long)
+    choice = torch.tensor(list(choice_ids), dtype=torch.long, device=model_device(model))
     t0 = time.time()
     done_q = 0
     for i, st in enumerate(steps):
@@ -57,7 +57,7 @@ def run_plan(model, token_ids: Sequence[Sequence[int]], batches: Sequence[Batch]
         if batch is None:
             run.dummies += 1
         elif logits is not None and plan.owner.get(st.batch) == rank:
-            sel = logits[: len(batch.items)][:, choice.to(logits.device)].float().cpu()
+            sel = logits[: len(batch.items)][:, choice].cpu()   # forward_logits returns float32
             for row, p in enumerate(batch.items):
                 vals = sel[row].tolist()
                 run.results[p] = (int(sel[row].argmax().item()), vals)
