@@ -203,7 +203,18 @@ def _check_mmlu(cfg: DictConfig, err: _Errors, warnings: list[str], check_paths:
     if m.baseline == "recorded" and m.baseline_accuracy is None:
         err.add(f"{key}.baseline_accuracy", None, "required with baseline=recorded")
     if m.max_drop is not None and m.baseline == "none":
-        err.add(f"{key}.max_drop", m.max_drop, "needs a baseline: set stages.mmlu.baseline to recorded or evaluate")
+        err.add(f"{key}.max_drop", m.max_drop, "needs a baseline: set stages.mmlu.baseline to recorded, evaluate or cached")
+    if m.baseline_accuracy is not None and m.baseline != "recorded":
+        err.add(f"{key}.baseline_accuracy", m.baseline_accuracy,
+                f"only used with stages.mmlu.baseline=recorded (got baseline={m.baseline!r})")
+    if m.baseline == "cached" and check_paths:
+        from launcher.mmlu import baseline_cache  # pure Python: reads the cache's JSON entries
+
+        where = baseline_cache.resolve_dir(m.baseline_cache_dir)
+        if not baseline_cache.entries_for_model(where, cfg.model.path):
+            err.add(f"{key}.baseline", m.baseline,
+                    f"no cached baseline for model.path={cfg.model.path} in {where}; run once with "
+                    f"stages.mmlu.baseline=evaluate (or set stages.mmlu.baseline_cache_dir)")
     if m.lower_bound is None and m.max_drop is None:
         warnings.append("stages.mmlu has neither lower_bound nor max_drop: the gate always passes")
     for k in ("batch_size", "max_seq_len", "collective_timeout_s"):
