@@ -187,7 +187,7 @@ def lookup(directory: str, model_path: str, prompt_texts: Sequence[str], token_i
                   entry={k: v for k, v in doc.items() if k != "results"})
 
 
-def store(found: Lookup, results: dict, model_path: str, accuracy: float, layout: str) -> str:
+def store(found: Lookup, results: dict, model_path: str, accuracy: float, layout) -> str:
     """Write ``results`` (prompt index -> (prediction, logits)) as the entry of ``found.key``."""
     import time
 
