@@ -110,7 +110,14 @@ def layouts_worker(hf_path: str, logit_layouts: list[dict], stage_layout: dict |
     from launcher.stages.context import StageContext, StageFailed
     from launcher.topology import ParallelDims
 
-    out = {"logits": _logits(hf_path, logit_layouts), "runs": []}
+    import inspect
+
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    out = {"logits": _logits(hf_path, logit_layouts), "runs": [],
+           # canary: the unpatched upstream method still copies the tied embedding with .cuda()
+           "upstream_cuda_copy": "weight.data.cuda()" in inspect.getsource(
+               LanguageModule.setup_embeddings_and_output_layer.__wrapped__)}
     if runs:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         dims = ParallelDims(world_size=world, **stage_layout)
@@ -216,9 +223,12 @@ def test_baseline_evaluated_once_then_cached_then_refused_on_another_key(tp3_job
 
 
 def test_logits_equal_transformers_at_pp2_dp2(smollm2_dir):
-    res = [r["logits"]["pp2"] for r in run_on_ranks("test_smollm2_layouts:layouts_worker", nprocs=4, timeout_s=600,
-                                                      kwargs={"hf_path": smollm2_dir, "logit_layouts": [{"pp": 2}]})]
+    results = run_on_ranks("test_smollm2_layouts:layouts_worker", nprocs=4, timeout_s=600,
+                           kwargs={"hf_path": smollm2_dir, "logit_layouts": [{"pp": 2}]})
+    res = [r["logits"]["pp2"] for r in results]
     assert [("last" in r) for r in res] == [False, False, True, True]   # pp rank 1 = ranks 2, 3 (dp 2)
+    assert all(r["upstream_cuda_copy"] for r in results), (
+        "megatron-core no longer copies the tied embedding with .cuda(): delete cpu_compat's tied_embeddings_pp shim")
     for r in res[2:]:
         assert r["copy_equals_hf_embedding"] is True
         assert r["last"] < LAST_TOKEN_TOLERANCE and r["real"] < ALL_POSITIONS_TOLERANCE, res

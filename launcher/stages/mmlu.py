@@ -5,7 +5,9 @@ dev split or ``dev_dataset``), select ``fraction`` per subject, render lm-eval p
 with the checkpoint's tokenizer, batch, plan the shards (``shard_mode``), build the model at the
 stage's degrees and load ``quantize/checkpoint`` (or import the HF weights when quantize is
 disabled), run the plan under the desync guard.  ``baseline=evaluate`` first evaluates the
-unquantized HF weights on the same questions in the same model (the checkpoint is loaded after).
+unquantized HF weights on the same questions in the same model (the checkpoint is loaded after),
+unless launcher/mmlu/baseline_cache.py holds them for this checkpoint and these prompts;
+``baseline=cached`` takes them from there only.  The drop is then paired (launcher/mmlu/paired.py).
 Rank 0 gathers, decides the gate, writes ``mmlu/results.json`` atomically and broadcasts the
 decision; on "fail" every rank raises ``StageFailed(exit_code=EXIT_GATE_FAILED)``.
 """
