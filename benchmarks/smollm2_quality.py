@@ -70,12 +70,16 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     out = os.path.abspath(args.out)
     os.makedirs(out, exist_ok=True)
-    rows = [run_recipe(r, args, out) for r in args.recipes.split(",")]
+    rows = []
+    for recipe in args.recipes.split(","):
+        rows.append(run_recipe(recipe, args, out))
+        tmp = os.path.join(out, "quality.json.tmp")   # after every recipe: a long run keeps what it measured
+        with open(tmp, "w") as f:
+            json.dump({"fraction": args.fraction, "mmlu": args.mmlu, "rows": rows, "table": table(rows)}, f, indent=1)
+        os.replace(tmp, os.path.join(out, "quality.json"))
     if [r["baseline_source"] for r in rows][1:] != ["cache"] * (len(rows) - 1):
         print("[quality] WARNING: the baseline was not read from the cache after the first recipe", flush=True)
     print(table(rows))
-    with open(os.path.join(out, "quality.json"), "w") as f:
-        json.dump({"fraction": args.fraction, "mmlu": args.mmlu, "rows": rows, "table": table(rows)}, f, indent=1)
     return 0
 
 
