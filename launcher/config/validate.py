@@ -115,8 +115,18 @@ def _check_recipe(cfg: DictConfig, err: _Errors) -> None:
             err.add("recipe.modelopt_cfg", r.modelopt_cfg, "must be null for format none")
     elif not r.modelopt_cfg and not r.recipe_path:
         err.add("recipe", r.name, f"set recipe.modelopt_cfg or recipe.recipe_path; recipes: {', '.join(recipe_names())}")
-    if r.recipe_path and not os.path.isfile(r.recipe_path):
-        err.add("recipe.recipe_path", r.recipe_path, "file does not exist")
+    if r.recipe_path and not os.path.isfile(r.recipe_path) and not _modelopt_builtin_recipe(r.recipe_path):
+        err.add("recipe.recipe_path", r.recipe_path,
+                "neither a file nor a ModelOpt built-in recipe (modelopt_recipes/<name>.yaml, e.g. general/ptq/...)")
+
+
+def _modelopt_builtin_recipe(name: str) -> bool:
+    """``name`` is one of ModelOpt's built-in recipes (found in the modelopt_recipes package, not imported)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("modelopt_recipes")
+    roots = list(spec.submodule_search_locations or []) if spec is not None else []
+    return any(os.path.isfile(os.path.join(root, name + suffix)) for root in roots for suffix in ("", ".yaml", ".yml"))
 
 
 def _check_executor(cfg: DictConfig, err: _Errors) -> None:
