@@ -315,7 +315,8 @@ def test_stage_gate_pass_then_fail_exit_codes(stage_model):
     prepared, ref_preds, _ = m["ref"]
     n = len(prepared.prompts)
     runs = [{"run_dir": str(root / "run_pass"), "quantize": True,
-             "mmlu": {"lower_bound": 0.05, "baseline": "evaluate", "max_drop": 1.0, **over}},
+             "mmlu": {"lower_bound": 0.05, "baseline": "evaluate", "max_drop": 1.0,
+                      "baseline_cache_dir": str(root / "baseline_cache"), **over}},
             {"run_dir": str(root / "run_fail"), "mmlu": {"lower_bound": 0.99, **over}}]
     t = time.time()
     with pytest.raises(RanksFailed) as e:
@@ -348,7 +349,9 @@ def test_stage_gate_pass_then_fail_exit_codes(stage_model):
     ok = docs["run_pass"]
     assert [q["baseline_prediction"] for q in ok["questions"]] == ["ABCD"[p] for p in ref_preds]
     base_acc = sum(q["baseline_prediction"] == q["answer"] for q in ok["questions"]) / n
-    assert ok["baseline"] == {"mode": "evaluate", "accuracy": base_acc, "drop": base_acc - ok["accuracy"]}
+    assert {k: ok["baseline"][k] for k in ("mode", "accuracy", "drop", "source")} == {
+        "mode": "evaluate", "accuracy": base_acc, "drop": base_acc - ok["accuracy"], "source": "evaluated"}
+    assert ok["baseline"]["paired"]["method"] == "mcnemar_exact" and os.path.isfile(ok["baseline"]["cache"])
     agree = sum(q["baseline_prediction"] == q["prediction"] for q in ok["questions"]) / n
     assert ok["agreement"] == agree
     changed = sum(q["logits"] != q["baseline_logits"] for q in ok["questions"])

@@ -53,7 +53,7 @@ def test_config_checks():
         check_gate_config(None, 0.02, "recorded", None)
     with pytest.raises(ValueError, match=r"stages.mmlu.max_drop=0.02 needs a baseline"):
         check_gate_config(None, 0.02, "none", None)
-    with pytest.raises(ValueError, match=r"stages.mmlu.baseline='x': valid values are \['none', 'recorded', 'evaluate'\]"):
+    with pytest.raises(ValueError, match=r"stages.mmlu.baseline='x': valid values are \['none', 'recorded', 'evaluate', 'cached'\]"):
         check_gate_config(None, None, "x", None)
     with pytest.raises(ValueError, match=r"stages.mmlu.lower_bound=1.5: must be null or in \[0, 1\]"):
         check_gate_config(1.5, None, "none", None)

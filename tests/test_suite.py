@@ -29,7 +29,7 @@ def test_suite_runs_tiny_and_dry_runs_the_rest(tmp_path, tiny_dir):
     skipped = nano.find("skipped")
     assert skipped is not None and "checkpoint not on this machine" in skipped.get("message")
     root = ET.parse(junit).getroot()
-    assert (root.get("tests"), root.get("failures"), root.get("errors")) == ("5", "0", "0")
+    assert (root.get("tests"), root.get("failures"), root.get("errors")) == ("6", "0", "0")
     md = (tmp_path / "out.md").read_text()
     assert "| examples/tiny/Qwen3-MoE-tiny/megatron_lm_ptq.yaml | mmlu | failed |" in md
     assert "| examples/tiny/Qwen3-MoE-tiny/megatron_lm_ptq.yaml | export | completed |" in md

@@ -16,7 +16,7 @@ VLLM_MODES = ("server", "offline")
 ON_UNSUPPORTED = ("skip", "fail")
 DEVICES = ("auto", "cpu", "cuda")
 DISPATCHERS = ("alltoall", "allgather")
-BASELINE_MODES = ("none", "recorded", "evaluate")
+BASELINE_MODES = ("none", "recorded", "evaluate", "cached")
 
 
 @dataclass
@@ -127,8 +127,9 @@ class MmluStage:
     add_bos: Optional[bool] = None     # None: as lm-evaluation-harness does for the tokenizer
     lower_bound: Optional[float] = None
     max_drop: Optional[float] = None
-    baseline: str = "none"             # none | recorded | evaluate
+    baseline: str = "none"             # none | recorded | evaluate (or reuse its cache) | cached (cache only)
     baseline_accuracy: Optional[float] = None  # with baseline=recorded
+    baseline_cache_dir: Optional[str] = None   # per-question baseline cache (default <cache_dir()>/mmlu_baseline)
     shard_mode: str = "auto"           # auto | balanced | lockstep | dense_dp (tests only at EP>1)
     allow_unsafe_shard_mode: bool = False  # test flag: permit dense_dp at EP>1 (reproduces the hang)
     collective_timeout_s: int = 45     # guard + collectives: far below NCCL's 600 s

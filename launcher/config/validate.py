@@ -115,8 +115,18 @@ def _check_recipe(cfg: DictConfig, err: _Errors) -> None:
             err.add("recipe.modelopt_cfg", r.modelopt_cfg, "must be null for format none")
     elif not r.modelopt_cfg and not r.recipe_path:
         err.add("recipe", r.name, f"set recipe.modelopt_cfg or recipe.recipe_path; recipes: {', '.join(recipe_names())}")
-    if r.recipe_path and not os.path.isfile(r.recipe_path):
-        err.add("recipe.recipe_path", r.recipe_path, "file does not exist")
+    if r.recipe_path and not os.path.isfile(r.recipe_path) and not _modelopt_builtin_recipe(r.recipe_path):
+        err.add("recipe.recipe_path", r.recipe_path,
+                "neither a file nor a ModelOpt built-in recipe (modelopt_recipes/<name>.yaml, e.g. general/ptq/...)")
+
+
+def _modelopt_builtin_recipe(name: str) -> bool:
+    """``name`` is one of ModelOpt's built-in recipes (found in the modelopt_recipes package, not imported)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("modelopt_recipes")
+    roots = list(spec.submodule_search_locations or []) if spec is not None else []
+    return any(os.path.isfile(os.path.join(root, name + suffix)) for root in roots for suffix in ("", ".yaml", ".yml"))
 
 
 def _check_executor(cfg: DictConfig, err: _Errors) -> None:
@@ -203,7 +213,18 @@ def _check_mmlu(cfg: DictConfig, err: _Errors, warnings: list[str], check_paths:
     if m.baseline == "recorded" and m.baseline_accuracy is None:
         err.add(f"{key}.baseline_accuracy", None, "required with baseline=recorded")
     if m.max_drop is not None and m.baseline == "none":
-        err.add(f"{key}.max_drop", m.max_drop, "needs a baseline: set stages.mmlu.baseline to recorded or evaluate")
+        err.add(f"{key}.max_drop", m.max_drop, "needs a baseline: set stages.mmlu.baseline to recorded, evaluate or cached")
+    if m.baseline_accuracy is not None and m.baseline != "recorded":
+        err.add(f"{key}.baseline_accuracy", m.baseline_accuracy,
+                f"only used with stages.mmlu.baseline=recorded (got baseline={m.baseline!r})")
+    if m.baseline == "cached" and check_paths:
+        from launcher.mmlu import baseline_cache  # pure Python: reads the cache's JSON entries
+
+        where = baseline_cache.resolve_dir(m.baseline_cache_dir)
+        if not baseline_cache.entries_for_model(where, cfg.model.path):
+            err.add(f"{key}.baseline", m.baseline,
+                    f"no cached baseline for model.path={cfg.model.path} in {where}; run once with "
+                    f"stages.mmlu.baseline=evaluate (or set stages.mmlu.baseline_cache_dir)")
     if m.lower_bound is None and m.max_drop is None:
         warnings.append("stages.mmlu has neither lower_bound nor max_drop: the gate always passes")
     for k in ("batch_size", "max_seq_len", "collective_timeout_s"):

@@ -8,7 +8,8 @@ What it proves (each failure names the tensor, module or file):
             other unquantized tensors stay high precision; with the Megatron model's list of
             quantized modules, exactly those are quantized;
   names     every layer and expert of the model card is present; with the source checkpoint,
-            every source tensor is exported and nothing else is added but scales;
+            every source tensor is exported and nothing else is added but scales; tied
+            embeddings (tie_word_embeddings, as in the source) are written once, no lm_head;
   values    recipe none + source: bit-exact round trip; quantized + source: dequantized samples
             close to the source; with Megatron references: dequantized == fake-quantized weights;
   size      export bytes vs the model in bf16.
@@ -80,6 +81,11 @@ def verify_export(export_dir: str, fmt: str, *, source_dir: Optional[str] = None
         findings.errors_named("expert {} is not quantized but the recipe quantizes every expert", unq)
     if source is not None:
         layout.check_names_vs_source(tensors, source, fmt, kinds, findings)
+    source_config = None
+    if source_dir and os.path.isfile(os.path.join(source_dir, "config.json")):
+        with open(os.path.join(source_dir, "config.json")) as f:
+            source_config = json.load(f)
+    layout.check_tied_embeddings(config, tensors, findings, source_config)
     if num_layers is None:
         findings.error("cannot check layers: no num_layers in the model card or config.json")
     else:

@@ -291,6 +291,29 @@ def check_names_vs_source(tensors: dict[str, TensorInfo], source: dict[str, Tens
     findings.checks["names_vs_source"] = {"source_tensors": len(source), "missing": len(missing), "extra": len(extra)}
 
 
+def check_tied_embeddings(config: dict, tensors: dict[str, TensorInfo], findings: Findings,
+                          source_config: Optional[dict] = None) -> None:
+    """Tied embeddings are written once: with ``tie_word_embeddings`` the export holds the
+    embedding and no ``lm_head.weight``; without it, both.  The flag must equal the source's."""
+    text = config.get("text_config") or config
+    if "tie_word_embeddings" not in text and "tie_word_embeddings" not in config:
+        return   # transformers' per-architecture default applies; nothing to compare
+    tied = bool(text.get("tie_word_embeddings", config.get("tie_word_embeddings")))
+    if source_config is not None:
+        src = source_config.get("text_config") or source_config
+        if "tie_word_embeddings" in src and bool(src["tie_word_embeddings"]) != tied:
+            findings.error(f"config.json tie_word_embeddings={tied} but the source checkpoint says "
+                           f"{bool(src['tie_word_embeddings'])}")
+    heads = sorted(n for n in tensors if n == "lm_head.weight" or n.endswith(".lm_head.weight"))
+    embeds = sorted(n for n in tensors if n.endswith(".weight") and _is_embedding(n[: -len(".weight")]))
+    if tied and heads:
+        findings.errors_named("{} is in the export but config.json ties the output layer to the embeddings "
+                              f"({', '.join(embeds) or 'none found'}): written twice", heads)
+    if not tied and embeds and not heads:
+        findings.error("config.json does not tie the embeddings but the export has no lm_head.weight")
+    findings.checks["tied_embeddings"] = {"tied": tied, "lm_head_tensors": len(heads), "embedding_tensors": len(embeds)}
+
+
 def model_dims(config: dict) -> tuple[Optional[int], int]:
     text = config.get("text_config") or config
     layers = text.get("num_hidden_layers")

@@ -30,6 +30,13 @@ CPU probes, ../shared/notes/cpu-megatron.md):
     dynamic block quantization").  CPU tensors are routed through ModelOpt's own
     ``NVFP4QTensor.quantize`` / ``dequantize`` (the code its export uses to pack the weights),
     so the arithmetic is ModelOpt's; tests/test_gpu_quantize.py compares it with the GPU kernel.
+``tied_embeddings_pp``
+    ``LanguageModule.setup_embeddings_and_output_layer`` copies the tied word embeddings from
+    the first to the last pipeline stage with ``weight.data = weight.data.cuda()`` then an
+    all-reduce over the embedding group: at PP>1 with ``tie_word_embeddings`` (Llama-3.2,
+    SmolLM2, dense Qwen3) every rank fails in ``GPTModel.__init__`` with "Torch not compiled
+    with CUDA enabled".  On CPU the original runs with that block skipped, then the same
+    all-reduce runs on the CPU tensor.
 
 ``seed_megatron_rng_cpu`` (not a patch; ``launcher.megatron.dist`` calls it on CPU)
     Seeds Megatron's model-parallel RNG tracker with
@@ -157,12 +164,35 @@ def nvfp4_fake_quant_cpu(inputs, block_size: int, amax=None):
     return out.reshape(inputs.shape).to(inputs.dtype)
 
 
+def _patch_tied_embeddings_pp(torch) -> None:
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    original = LanguageModule.setup_embeddings_and_output_layer
+
+    def setup_embeddings_and_output_layer(self) -> None:
+        cfg = self.config
+        if cfg.init_model_with_meta_device or not torch.distributed.is_initialized():
+            return original(self)
+        cfg.init_model_with_meta_device = True   # skips only the .cuda() + all-reduce block
+        try:
+            original(self)
+        finally:
+            cfg.init_model_with_meta_device = False
+        if (self.share_embeddings_and_output_weights or getattr(cfg, "mtp_num_layers", 0)) \
+                and cfg.pipeline_model_parallel_size > 1 and self._is_in_embd_group():
+            torch.distributed.all_reduce(self.shared_embedding_or_output_weight().data, group=self.embd_group)
+
+    setup_embeddings_and_output_layer.__wrapped__ = original
+    LanguageModule.setup_embeddings_and_output_layer = setup_embeddings_and_output_layer
+
+
 SHIMS = {
     "current_device": _patch_current_device,
     "streams": _patch_streams,
     "alltoall_split_sizes": _patch_alltoall_split_sizes,
     "pipeline_schedules": _patch_pipeline_schedules,
     "nvfp4_dynamic_block_quant": _patch_nvfp4_dynamic_block_quant,
+    "tied_embeddings_pp": _patch_tied_embeddings_pp,
 }
 
 

@@ -2,11 +2,15 @@
 
 * ``lower_bound``: pass iff accuracy >= bound (not the reference's strict ``>``).
 * ``max_drop``: pass iff baseline_accuracy - accuracy <= max_drop; the baseline is a recorded
-  number (``baseline=recorded`` + ``baseline_accuracy``) or evaluated in the same stage from the
-  unquantized weights on the same questions (``baseline=evaluate``; then prediction agreement
-  is reported too).
-* A warning ("raise fraction") when the Wilson interval strictly contains a threshold: the
-  decision could flip with another sample of the same size.
+  number (``baseline=recorded`` + ``baseline_accuracy``), or per-question results of the
+  unquantized weights on the same questions: evaluated in the same stage (``baseline=evaluate``,
+  reused from launcher/mmlu/baseline_cache.py when its key matches) or taken from that cache
+  (``baseline=cached``).  With per-question results the drop is paired
+  (launcher/mmlu/paired.py: McNemar exact 95% interval, agreement, mean KL over A-D).
+* A warning ("raise fraction") when an interval strictly contains a threshold: the decision
+  could flip with another sample of the same size.  For ``lower_bound`` (and ``max_drop``
+  against a recorded number) the Wilson interval of the accuracy; for ``max_drop`` against
+  per-question results the paired interval of the drop.
 """
 from __future__ import annotations
 
@@ -15,8 +19,11 @@ from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from typing import Optional, Sequence
 
+from launcher.mmlu.paired import PairedComparison
+
 Z95 = 1.959963984540054
-BASELINE_MODES = ("none", "recorded", "evaluate")
+BASELINE_MODES = ("none", "recorded", "evaluate", "cached")
+PER_QUESTION_BASELINES = ("evaluate", "cached")
 
 
 def wilson_interval(correct: int, n: int, z: float = Z95) -> tuple[float, float]:
@@ -50,7 +57,7 @@ def check_gate_config(lower_bound: Optional[float], max_drop: Optional[float], b
                          f"baseline='recorded' (got baseline={baseline!r})")
     if max_drop is not None and baseline == "none":
         raise ValueError(f"stages.mmlu.max_drop={max_drop!r} needs a baseline: valid "
-                         f"stages.mmlu.baseline values with max_drop are 'recorded', 'evaluate'")
+                         f"stages.mmlu.baseline values with max_drop are 'recorded', 'evaluate', 'cached'")
 
 
 @dataclass
@@ -65,6 +72,7 @@ class GateDecision:
     baseline_accuracy: Optional[float] = None
     drop: Optional[float] = None
     agreement: Optional[float] = None
+    paired: Optional[PairedComparison] = None
     failures: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
 
@@ -76,14 +84,22 @@ class GateDecision:
 
 def decide(correct: int, n: int, lower_bound: Optional[float] = None,
            max_drop: Optional[float] = None, baseline_accuracy: Optional[float] = None,
-           agreement: Optional[float] = None) -> GateDecision:
+           agreement: Optional[float] = None, paired: Optional[PairedComparison] = None) -> GateDecision:
+    """The gate's verdict.  ``paired`` (per-question baseline on the same questions) sets the
+    agreement and judges max_drop on the paired drop and its interval."""
     if n <= 0:
         return GateDecision(False, 0.0, 0, 0, (0.0, 1.0), lower_bound, max_drop,
                             baseline_accuracy, failures=["no questions were evaluated"])
     acc = correct / n
     lo, hi = wilson_interval(correct, n)
+    if paired is not None:
+        if (paired.n, paired.correct) != (n, correct):
+            raise ValueError(f"paired comparison is of {paired.correct}/{paired.n}, not {correct}/{n}")
+        baseline_accuracy, agreement = paired.baseline_correct / n, paired.agreement
     d = GateDecision(True, acc, n, correct, (lo, hi), lower_bound, max_drop, baseline_accuracy,
-                     agreement=agreement)
+                     agreement=agreement, paired=paired)
+    if paired is not None:
+        d.drop = paired.drop
     if lower_bound is not None:
         if acc < lower_bound:
             d.failures.append(f"accuracy {acc:.4f} ({correct}/{n}) < lower_bound {lower_bound}")
@@ -93,12 +109,18 @@ def decide(correct: int, n: int, lower_bound: Optional[float] = None,
     if max_drop is not None:
         if baseline_accuracy is None:
             raise ValueError("max_drop needs baseline_accuracy")
-        d.drop = baseline_accuracy - acc
+        d.drop = paired.drop if paired is not None else baseline_accuracy - acc
         if d.drop > max_drop + 1e-12:
             d.failures.append(f"accuracy {acc:.4f} dropped {d.drop:.4f} from baseline "
                               f"{baseline_accuracy:.4f} > max_drop {max_drop}")
         threshold = baseline_accuracy - max_drop
-        if lo < threshold < hi:
+        if paired is not None:
+            plo, phi = paired.interval
+            if plo < max_drop < phi:
+                d.warnings.append(f"paired 95% interval of the drop [{plo:.4f}, {phi:.4f}] ({paired.method}; "
+                                  f"{paired.n10} questions lost, {paired.n01} gained) straddles max_drop "
+                                  f"{max_drop}: raise fraction (n={n}) for a stable decision")
+        elif lo < threshold < hi:
             d.warnings.append(f"95% interval [{lo:.4f}, {hi:.4f}] straddles baseline - max_drop "
                               f"= {threshold:.4f}: raise fraction (n={n}) for a stable decision")
     d.passed = not d.failures

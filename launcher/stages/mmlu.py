@@ -5,7 +5,9 @@ dev split or ``dev_dataset``), select ``fraction`` per subject, render lm-eval p
 with the checkpoint's tokenizer, batch, plan the shards (``shard_mode``), build the model at the
 stage's degrees and load ``quantize/checkpoint`` (or import the HF weights when quantize is
 disabled), run the plan under the desync guard.  ``baseline=evaluate`` first evaluates the
-unquantized HF weights on the same questions in the same model (the checkpoint is loaded after).
+unquantized HF weights on the same questions in the same model (the checkpoint is loaded after),
+unless launcher/mmlu/baseline_cache.py holds them for this checkpoint and these prompts;
+``baseline=cached`` takes them from there only.  The drop is then paired (launcher/mmlu/paired.py).
 Rank 0 gathers, decides the gate, writes ``mmlu/results.json`` atomically and broadcasts the
 decision; on "fail" every rank raises ``StageFailed(exit_code=EXIT_GATE_FAILED)``.
 """
@@ -18,6 +20,7 @@ from typing import Optional, Sequence
 from launcher.mmlu import gate as gate_mod
 from launcher.mmlu.batching import Batch, make_batches, padding_efficiency
 from launcher.mmlu.data import LETTERS, Question, load_dev, load_mmlu
+from launcher.mmlu.paired import compare
 from launcher.mmlu.prompts import Prompt, build_prompts, choice_token_ids, encode_prompts, select_fraction
 from launcher.stages.context import EXIT_GATE_FAILED, StageContext, StageFailed, write_json_atomic
 
@@ -83,7 +86,9 @@ def build_results(prepared: Prepared, results: dict, scfg, decision: gate_mod.Ga
         "interval": list(decision.interval), "interval_level": 0.95, "interval_method": "wilson",
         "lower_bound": decision.lower_bound, "max_drop": decision.max_drop,
         "baseline": {"mode": scfg.baseline, "accuracy": decision.baseline_accuracy,
-                     "drop": decision.drop},
+                     "drop": decision.drop,
+                     "paired": decision.paired.to_dict() if decision.paired is not None else None},
+        "mean_kl": decision.paired.mean_kl if decision.paired is not None else None,
         "agreement": decision.agreement, "pass": decision.passed,
         "failures": decision.failures, "warnings": decision.warnings,
         "dataset": scfg.dataset, "dev_dataset": scfg.dev_dataset, "fraction": scfg.fraction,
@@ -104,11 +109,70 @@ def decide(prepared: Prepared, results: dict, scfg, baseline: Optional[dict]) ->
     base_acc, agree = None, None
     if scfg.baseline == "recorded":
         base_acc = float(scfg.baseline_accuracy)
-    elif scfg.baseline == "evaluate" and baseline is not None:
-        bpreds = [baseline[i][0] for i in range(len(qs))]
-        base_acc = sum(p == q.answer for p, q in zip(bpreds, qs)) / len(qs)
-        agree = gate_mod.agreement(preds, bpreds)
+    elif scfg.baseline in gate_mod.PER_QUESTION_BASELINES and baseline is not None:
+        n = len(qs)
+        paired = compare([q.answer for q in qs], preds, [baseline[i][0] for i in range(n)],
+                         [results[i][1] for i in range(n)], [baseline[i][1] for i in range(n)])
+        return gate_mod.decide(correct, n, scfg.lower_bound, scfg.max_drop, paired=paired)
     return gate_mod.decide(correct, len(qs), scfg.lower_bound, scfg.max_drop, base_acc, agree)
+
+
+def _baseline_lookup(ctx: StageContext, prepared: Prepared, dtype: str) -> dict:
+    """Rank 0 looks the baseline up in the cache (launcher/mmlu/baseline_cache.py); every rank
+    learns hit or miss.  baseline=cached fails on every rank on a miss, before any forward."""
+    from launcher.megatron.models import resolve_dtype
+    from launcher.mmlu import baseline_cache
+
+    scfg = ctx.stage_cfg
+    found, info = None, None
+    if ctx.rank == 0:
+        t = time.time()
+        try:
+            found = baseline_cache.lookup(
+                baseline_cache.resolve_dir(scfg.get("baseline_cache_dir")), ctx.cfg.model.path,
+                [p.text for p in prepared.prompts], prepared.token_ids, scfg.few_shots, scfg.add_bos,
+                str(resolve_dtype(dtype, ctx.device)).replace("torch.", ""))
+            info = {"hit": found.hit, "path": found.path, "key": found.key, "miss": found.miss_reason,
+                    "error": None, "seconds": round(time.time() - t, 2)}
+        except (OSError, ValueError) as e:
+            info = {"hit": False, "path": None, "key": None, "miss": "", "error": f"{type(e).__name__}: {e}"}
+    import datetime
+
+    import torch.distributed as dist
+
+    # rank 0 may hash a large checkpoint for minutes the first time: wait on a group of our own
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(hours=6)) if dist.is_initialized() else None
+    try:
+        box = [info]
+        if group is not None:
+            dist.broadcast_object_list(box, src=0, group=group)
+        info = box[0]
+    finally:
+        if group is not None:
+            dist.destroy_process_group(group)
+    if info["error"]:
+        raise StageFailed(f"baseline cache: {info['error']}")
+    if scfg.baseline == "cached" and not info["hit"]:
+        raise StageFailed(f"stages.mmlu.baseline='cached': {info['miss']}")
+    ctx.log(f"baseline cache {'hit' if info['hit'] else 'miss'}: {info['path']}"
+            + (f" (key computed in {info['seconds']} s)" if ctx.rank == 0 else ""))
+    info["source"] = "cache" if info["hit"] else "evaluated"
+    info["lookup"] = found
+    return info
+
+
+def _baseline_from_cache(ctx: StageContext, cached: dict, evaluated: Optional[dict], prepared: Prepared):
+    """Rank 0: the cached baseline on a hit; on a miss store the evaluated one and return it."""
+    from launcher.mmlu import baseline_cache
+
+    found = cached["lookup"]
+    if found.hit:
+        return found.results
+    qs = [p.question for p in prepared.prompts]
+    acc = sum(evaluated[i][0] == q.answer for i, q in enumerate(qs)) / len(qs)
+    path = baseline_cache.store(found, evaluated, ctx.cfg.model.path, acc, ctx.dims.describe())
+    ctx.log(f"baseline results cached at {path}")
+    return evaluated
 
 
 def run(ctx: StageContext) -> None:
@@ -132,10 +196,11 @@ def run(ctx: StageContext) -> None:
 
     t = time.time()
     dtype = cfg.stages.quantize.get("dtype", "bfloat16")
+    cached = _baseline_lookup(ctx, prepared, dtype) if scfg.baseline in gate_mod.PER_QUESTION_BASELINES else None
     model = build_model(cfg.model.path, ctx.dims, ctx.device, dtype, scfg.moe_dispatcher,
                         bool(cfg.model.get("trust_remote_code", False)))
     quantized = bool(cfg.stages.quantize.enabled)
-    evaluate_base = scfg.baseline == "evaluate"
+    evaluate_base = scfg.baseline == "evaluate" and not cached["hit"]
     if not quantized or evaluate_base:
         import_hf_weights(model, cfg.model.path, dtype)
     timings["build_s"] = time.time() - t
@@ -159,12 +224,16 @@ def run(ctx: StageContext) -> None:
     if evaluate_base and not quantized:
         ctx.warn("baseline=evaluate with quantize disabled: the evaluated model is the baseline")
         baseline = results
+    if cached is not None and ctx.rank == 0:
+        baseline = _baseline_from_cache(ctx, cached, baseline, prepared)
 
     verdict = None
     if ctx.rank == 0:
         decision = decide(prepared, results, scfg, baseline)
         timings["total_s"] = time.time() - t0
         doc = build_results(prepared, results, scfg, decision, plan, baseline, timings)
+        if cached is not None:
+            doc["baseline"].update(source=cached["source"], cache=cached["path"], cache_key=cached["key"])
         write_json_atomic(f"{ctx.stage_dir}/results.json", doc)
         ctx.log("per-subject accuracy:\n" + gate_mod.format_table(doc["per_subject"]))
         lo, hi = decision.interval
