@@ -7,13 +7,14 @@ workers from ``parallel.tp``).  Steps:
      chosen interpreter (``launcher.vllm.capability``).  Unsupported -> ``on_unsupported``:
      ``skip`` writes vllm_smoke/skip.json {reason} (the pipeline records it in metadata.json) and
      says so on the console; ``fail`` fails the stage;
-  3. vLLM out of process - the OpenAI server on 127.0.0.1:<free port> (``mode: server``) or the
-     offline engine in a subprocess (``mode: offline``) - logging to vllm_smoke/log.txt;
+  3. vLLM out of process (``launcher.vllm.backends``: the OpenAI server, ``mode: server``, or the
+     offline engine in a subprocess, ``mode: offline``), logging to vllm_smoke/log.txt;
   4. greedy completions (temperature 0, ``max_tokens``) for the questions (``launcher.vllm.questions``);
-  5. vllm_smoke/responses.json; the stage passes only if vLLM came up, every answer is
-     non-empty and accuracy over the scored questions >= ``min_accuracy``.
+  5. vllm_smoke/responses.json (``SmokeRecord``); the stage passes only if vLLM came up, every
+     answer is non-empty and accuracy over the scored questions >= ``min_accuracy``.
 vLLM is always stopped (process group + children), also on SIGTERM.  On failure the console
 shows the last lines of the vLLM log and vLLM's own error line.
+Config values (mode, on_unsupported, ...) are checked by ``launcher.config.validate._check_vllm``.
 """
 from __future__ import annotations
 
@@ -23,17 +24,42 @@ import signal
 import sys
 import threading
 import time
+from dataclasses import asdict, dataclass, field
 from typing import Iterator, Optional
 
 from omegaconf import OmegaConf
 
 from launcher.stages.context import StageContext, StageFailed, write_json_atomic
 from launcher.vllm import capability, questions as smoke_q
+from launcher.vllm.backends import BACKENDS, Backend
 from launcher.vllm.probe import probe_platform, vllm_python
 from launcher.vllm.procs import log_tail
-from launcher.vllm.server import VllmError, VllmServer, run_offline
+from launcher.vllm.server import VllmError
 
 LOG_TAIL_LINES = 30
+
+
+@dataclass
+class SmokeRecord:
+    """The content of vllm_smoke/responses.json."""
+
+    mode: str
+    model_dir: str
+    source: str
+    min_accuracy: float
+    max_tokens: int
+    capability: dict
+    passed: bool = False
+    server: Optional[dict] = None
+    failure: Optional[str] = None
+    vllm_error: Optional[str] = None
+    summary: dict = field(default_factory=dict)     # questions.summarize
+    timings: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(d.pop("summary"))
+        return d
 
 
 def _model_dir(ctx: StageContext) -> str:
@@ -72,7 +98,7 @@ def _sigterm_as_exit() -> Iterator[None]:
         signal.signal(signal.SIGTERM, old)
 
 
-def _show_tail(ctx: StageContext, log_path: str) -> None:
+def _show_tail(log_path: str) -> None:
     tail = log_tail(log_path, LOG_TAIL_LINES)
     print(f"[vllm_smoke] last {len(tail)} lines of {log_path}:", file=sys.stderr)
     for ln in tail:
@@ -80,13 +106,66 @@ def _show_tail(ctx: StageContext, log_path: str) -> None:
     sys.stderr.flush()
 
 
-def _unsupported(ctx: StageContext, reason: str, record: dict) -> None:
-    sc = ctx.stage_cfg
-    if sc.on_unsupported == "fail":
-        raise StageFailed(f"vLLM cannot serve this export here: {reason} "
+def _capability(ctx: StageContext, model_dir: str) -> tuple[dict, str]:
+    """The capability record and the device of the vLLM build; StageFailed without an export."""
+    try:
+        quant = capability.read_quant_info(model_dir)
+    except capability.ExportConfigError as e:
+        raise StageFailed(f"vllm_smoke: no export to serve: {e} (run stages.export first)") from e
+    python = vllm_python(ctx.stage_cfg.python)
+    t0 = time.monotonic()
+    platform = probe_platform(python)
+    ok, reason = capability.decide(quant, platform)
+    ctx.log(f"export {model_dir}: {quant.describe()}; vLLM: {python} -> {reason}")
+    return {"ok": ok, "reason": reason, "forced": bool(ctx.stage_cfg.force),
+            "quantization": quant.describe(), "python": python,
+            "vllm_version": platform.vllm_version, "vllm_device": platform.vllm_device,
+            "gpu_capabilities": [f"{a}.{b}" for a, b in platform.gpu_capabilities],
+            "check_s": round(time.monotonic() - t0, 2)}, platform.vllm_device
+
+
+def _refused(ctx: StageContext, cap: dict, model_dir: str) -> bool:
+    """True when the stage ends here: the export is unsupported and ``force`` is off (skip or fail)."""
+    if cap["ok"]:
+        return False
+    if ctx.stage_cfg.force:
+        ctx.warn(f"capability check says no ({cap['reason']}); force=true: starting vLLM anyway")
+        return False
+    if ctx.stage_cfg.on_unsupported == "fail":
+        raise StageFailed(f"vLLM cannot serve this export here: {cap['reason']} "
                           f"(stages.vllm_smoke.on_unsupported=fail; force=true tries anyway)")
-    write_json_atomic(os.path.join(ctx.stage_dir, "skip.json"), {"reason": reason, **record})
-    ctx.warn(f"SKIPPED: {reason} (stages.vllm_smoke.on_unsupported=skip; force=true tries anyway)")
+    write_json_atomic(os.path.join(ctx.stage_dir, "skip.json"),
+                      {"reason": cap["reason"], "capability": cap, "model_dir": model_dir})
+    ctx.warn(f"SKIPPED: {cap['reason']} (stages.vllm_smoke.on_unsupported=skip; force=true tries anyway)")
+    return True
+
+
+def _backend(ctx: StageContext, model_dir: str, python: str, device: str) -> Backend:
+    sc = ctx.stage_cfg
+    return BACKENDS[sc.mode](python=python, model_dir=model_dir,
+                             log_path=os.path.join(ctx.stage_dir, "log.txt"), work_dir=ctx.stage_dir,
+                             tp=int(sc.parallel.tp), extra_args=[str(a) for a in sc.extra_args],
+                             device=device, startup_timeout_s=float(sc.startup_timeout_s),
+                             request_timeout_s=float(sc.request_timeout_s))
+
+
+def _write(ctx: StageContext, record: SmokeRecord, t_start: float) -> None:
+    record.timings["total_s"] = round(time.monotonic() - t_start, 2)
+    write_json_atomic(os.path.join(ctx.stage_dir, "responses.json"), record.to_dict())
+
+
+def _report(ctx: StageContext, record: SmokeRecord, problems: list[str]) -> None:
+    s = record.summary
+    acc = s["accuracy"]
+    acc_s = f"{acc:.3f} ({s['n_correct']}/{s['n_scored']})" if acc is not None else "n/a (nothing scored)"
+    ctx.log(f"accuracy {acc_s}, min {record.min_accuracy:g}; {s['n']} answers, "
+            f"{len(s['empty_responses'])} empty; {record.timings}")
+    if acc is None:
+        ctx.warn("no question has an expected answer: only 'non-empty' was checked")
+    if problems:
+        bad = [r for r in s["questions"] if r["correct"] is False or not r["response"].strip()]
+        for r in bad[:5]:
+            ctx.warn(f"{r['id']}: expected {r['expected'] or r['contains']!r}, got {r['response']!r}")
 
 
 def run(ctx: StageContext) -> None:
@@ -94,96 +173,36 @@ def run(ctx: StageContext) -> None:
         return
     t_start = time.monotonic()
     sc = ctx.stage_cfg
-    if sc.mode not in ("server", "offline"):
-        raise StageFailed(f"stages.vllm_smoke.mode={sc.mode!r}: valid modes are server, offline")
-    if sc.on_unsupported not in ("skip", "fail"):
-        raise StageFailed(f"stages.vllm_smoke.on_unsupported={sc.on_unsupported!r}: valid: skip, fail")
     os.makedirs(ctx.stage_dir, exist_ok=True)
     for stale in ("responses.json", "skip.json"):
         with contextlib.suppress(FileNotFoundError):
             os.remove(os.path.join(ctx.stage_dir, stale))
-    log_path = os.path.join(ctx.stage_dir, "log.txt")
     model_dir = _model_dir(ctx)
-    tp = int(sc.parallel.tp)
-
-    try:
-        quant = capability.read_quant_info(model_dir)
-    except capability.ExportConfigError as e:
-        raise StageFailed(f"vllm_smoke: no export to serve: {e} (run stages.export first)") from e
-    python = vllm_python(sc.python)
-    t0 = time.monotonic()
-    platform = probe_platform(python)
-    ok, reason = capability.decide(quant, platform)
-    cap = {"ok": ok, "reason": reason, "forced": bool(sc.force), "quantization": quant.describe(),
-           "python": python, "vllm_version": platform.vllm_version, "vllm_device": platform.vllm_device,
-           "gpu_capabilities": [f"{a}.{b}" for a, b in platform.gpu_capabilities],
-           "check_s": round(time.monotonic() - t0, 2)}
-    ctx.log(f"export {model_dir}: {quant.describe()}; vLLM: {python} -> {reason}")
-    if not ok and not sc.force:
-        _unsupported(ctx, reason, {"capability": cap, "model_dir": model_dir})
+    cap, device = _capability(ctx, model_dir)
+    if _refused(ctx, cap, model_dir):
         return
-    if not ok:
-        ctx.warn(f"capability check says no ({reason}); force=true: starting vLLM anyway")
-
     qs, source = _questions(ctx)
-    prompts = [q.prompt for q in qs]
-    extra = [str(a) for a in sc.extra_args]
-    record = {"passed": False, "mode": sc.mode, "model_dir": model_dir, "source": source,
-              "min_accuracy": float(sc.min_accuracy), "max_tokens": int(sc.max_tokens),
-              "capability": cap, "server": None, "failure": None, "vllm_error": None}
-    timings: dict = {"capability_s": cap["check_s"]}
-    ctx.log(f"{sc.mode}: {len(qs)} questions from {source}, tp={tp}, log {log_path}")
-    responses: Optional[list[str]] = None
+    record = SmokeRecord(mode=sc.mode, model_dir=model_dir, source=source,
+                         min_accuracy=float(sc.min_accuracy), max_tokens=int(sc.max_tokens),
+                         capability=cap, timings={"capability_s": cap["check_s"]})
+    backend = _backend(ctx, model_dir, cap["python"], device)
+    ctx.log(f"{sc.mode}: {len(qs)} questions from {source}, tp={sc.parallel.tp}, log {backend.log_path}")
     try:
         with _sigterm_as_exit():
-            if sc.mode == "server":
-                server = VllmServer(python, model_dir, log_path, tp=tp, extra_args=extra,
-                                    device=platform.vllm_device,
-                                    startup_timeout_s=float(sc.startup_timeout_s))
-                try:
-                    server.start()
-                    ctx.log(f"server healthy at {server.base_url} after {server.startup_s:.1f} s")
-                    t1 = time.monotonic()
-                    responses = server.complete(prompts, int(sc.max_tokens), float(sc.request_timeout_s))
-                    timings["generate_s"] = round(time.monotonic() - t1, 2)
-                finally:
-                    server.stop()
-                    record["server"] = server.info()
-                timings["startup_s"] = server.startup_s
-            else:
-                responses, info = run_offline(
-                    python, model_dir, prompts, int(sc.max_tokens), log_path, ctx.stage_dir, tp=tp,
-                    extra_args=extra, device=platform.vllm_device,
-                    timeout_s=float(sc.startup_timeout_s) + float(sc.request_timeout_s))
-                record["server"] = info
-                timings["startup_s"], timings["generate_s"] = info.get("load_s"), info.get("generate_s")
+            texts, record.server = backend.generate([q.prompt for q in qs], int(sc.max_tokens))
     except VllmError as e:
-        record.update(failure=str(e), vllm_error=e.error_line)
-        record["server"] = record["server"] or e.info
-        timings["total_s"] = round(time.monotonic() - t_start, 2)
-        record["timings"] = timings
-        write_json_atomic(os.path.join(ctx.stage_dir, "responses.json"), record)
-        _show_tail(ctx, log_path)
+        record.failure, record.vllm_error, record.server = str(e), e.error_line, e.info or None
+        _write(ctx, record, t_start)
+        _show_tail(backend.log_path)
         raise StageFailed(f"vllm_smoke: {e}") from e
-
-    summary = smoke_q.summarize(qs, responses)
-    record.update(summary)
-    acc, n_scored = summary["accuracy"], summary["n_scored"]
-    problems = smoke_q.verdict(summary, float(sc.min_accuracy))
-    record["passed"] = not problems
-    record["failure"] = "; ".join(problems) or None
-    timings["total_s"] = round(time.monotonic() - t_start, 2)
-    record["timings"] = timings
-    write_json_atomic(os.path.join(ctx.stage_dir, "responses.json"), record)
-    acc_s = f"{acc:.3f} ({summary['n_correct']}/{n_scored})" if acc is not None else "n/a (nothing scored)"
-    ctx.log(f"accuracy {acc_s}, min {float(sc.min_accuracy):g}; {len(qs)} answers, "
-            f"{len(summary['empty_responses'])} empty; {timings}")
-    if acc is None:
-        ctx.warn("no question has an expected answer: only 'non-empty' was checked")
+    record.timings.update(startup_s=record.server.get("startup_s"),
+                          generate_s=record.server.get("generate_s"))
+    record.summary = smoke_q.summarize(qs, texts)
+    problems = smoke_q.verdict(record.summary, record.min_accuracy)
+    record.passed, record.failure = not problems, "; ".join(problems) or None
+    _write(ctx, record, t_start)
+    _report(ctx, record, problems)
     if problems:
-        _show_tail(ctx, log_path)
-        bad = [r for r in summary["questions"] if r["correct"] is False or not r["response"].strip()]
-        for r in bad[:5]:
-            ctx.warn(f"{r['id']}: expected {r['expected'] or r['contains']!r}, got {r['response']!r}")
-        raise StageFailed(f"vllm_smoke failed: {record['failure']} "
+        _show_tail(backend.log_path)
+        raise StageFailed(f"vllm_smoke failed: {record.failure} "
                           f"(see {os.path.join(ctx.stage_dir, 'responses.json')})")

@@ -5,6 +5,7 @@ default, ``stages.vllm_smoke.python`` otherwise).
 
     capability.py     pure: what the export is (read_quant_info) x what vLLM offers -> decide
     probe.py          which interpreter; ask it (subprocess) for vLLM's version, build, GPUs
+    backends.py       the Backend protocol: ServerBackend, OfflineBackend (what the stage calls)
     server.py         VllmServer (OpenAI server, /health, stop), run_offline (offline engine)
     offline_engine.py the standalone offline script run in the vLLM interpreter
     procs.py          process-group start/stop, log tail, error line
