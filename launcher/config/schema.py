@@ -13,6 +13,7 @@ from omegaconf import MISSING
 
 SHARD_MODES = ("auto", "balanced", "lockstep", "dense_dp")
 VLLM_MODES = ("server", "offline")
+VLLM_SCORING = ("prompt_logprobs", "choice_logprobs")
 ON_UNSUPPORTED = ("skip", "fail")
 DEVICES = ("auto", "cpu", "cuda")
 DISPATCHERS = ("alltoall", "allgather")
@@ -154,10 +155,14 @@ class VllmSmokeStage:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     mode: str = "server"               # server | offline
     python: Optional[str] = None       # interpreter with vLLM (default: .venv-vllm, then this one)
-    questions: int = 16                # from the gate's MMLU data, with known answers
-    prompts: Optional[str] = None      # or a jsonl {prompt, expected | contains}
-    min_accuracy: float = 0.5
-    max_tokens: int = 4
+    score_choices: bool = True         # score the gate's questions through vLLM, compare with mmlu/results.json
+    questions: int = 0                 # how many of the gate's questions (evenly spaced, gate order); 0: all
+    scoring: str = "prompt_logprobs"   # prompt_logprobs | choice_logprobs: how vLLM scores " A".." D"
+    min_agreement: Optional[float] = None  # null: 0.99 for an unquantized export, 0.95 for a quantized one
+    tie_margin: float = 0.25           # gate top-2 logit margin below which a question is reported, not counted
+    min_accuracy: Optional[float] = None   # served accuracy floor; null: the gate's lower_bound (0 without one)
+    prompts: Optional[str] = None      # generation checks: jsonl {prompt, contains | expected, chat}
+    max_tokens: int = 32               # greedy tokens per generation check
     startup_timeout_s: int = 600
     request_timeout_s: int = 600
     model_dir: Optional[str] = None    # serve this HF directory instead of export/<stages.export.name>

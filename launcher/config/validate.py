@@ -70,7 +70,7 @@ def validate(cfg: DictConfig, check_paths: bool = True) -> list[str]:
     _check_quantize(cfg, err, warnings, check_paths)
     _check_mmlu(cfg, err, warnings, check_paths)
     _check_export(cfg, err)
-    _check_vllm(cfg, err)
+    _check_vllm(cfg, err, warnings, check_paths)
     if err.lines:
         raise ConfigError("invalid config:\n  " + "\n  ".join(err.lines))
     return warnings
@@ -278,18 +278,35 @@ def _check_export(cfg: DictConfig, err: _Errors) -> None:
                 "or use recipe=none")
 
 
-def _check_vllm(cfg: DictConfig, err: _Errors) -> None:
+def _check_vllm(cfg: DictConfig, err: _Errors, warnings: list[str], check_paths: bool) -> None:
     v = cfg.stages.vllm_smoke
+    key = "stages.vllm_smoke"
     if not v.enabled:
         return
     if v.mode not in schema.VLLM_MODES:
-        err.add("stages.vllm_smoke.mode", v.mode, f"valid: {', '.join(schema.VLLM_MODES)}")
+        err.add(f"{key}.mode", v.mode, f"valid: {', '.join(schema.VLLM_MODES)}")
     if v.on_unsupported not in schema.ON_UNSUPPORTED:
-        err.add("stages.vllm_smoke.on_unsupported", v.on_unsupported, f"valid: {', '.join(schema.ON_UNSUPPORTED)}")
-    if not 0 <= v.min_accuracy <= 1:
-        err.add("stages.vllm_smoke.min_accuracy", v.min_accuracy, "must satisfy 0 <= min_accuracy <= 1")
-    if v.questions < 1 and not v.prompts:
-        err.add("stages.vllm_smoke.questions", v.questions, "must be >= 1")
+        err.add(f"{key}.on_unsupported", v.on_unsupported, f"valid: {', '.join(schema.ON_UNSUPPORTED)}")
+    if v.scoring not in schema.VLLM_SCORING:
+        err.add(f"{key}.scoring", v.scoring, f"valid: {', '.join(schema.VLLM_SCORING)}")
+    for name in ("min_accuracy", "min_agreement"):
+        if v[name] is not None and not 0 <= v[name] <= 1:
+            err.add(f"{key}.{name}", v[name], f"must be null or satisfy 0 <= {name} <= 1")
+    if v.tie_margin < 0:
+        err.add(f"{key}.tie_margin", v.tie_margin, "must be >= 0 (a logit margin; 0 counts every question)")
+    if v.questions < 0:
+        err.add(f"{key}.questions", v.questions, "must be >= 0 (0: every question the gate evaluated)")
+    if v.max_tokens < 1:
+        err.add(f"{key}.max_tokens", v.max_tokens, "must be >= 1")
+    if v.score_choices and not cfg.stages.mmlu.enabled:
+        err.add(f"{key}.score_choices", True,
+                "compares vLLM with the gate's mmlu/results.json: enable stages.mmlu, or set "
+                "stages.vllm_smoke.score_choices=false (generation checks only)")
+    if not v.score_choices and not v.prompts:
+        err.add(f"{key}.prompts", v.prompts,
+                "nothing to check with score_choices=false: give a jsonl of generation checks")
+    if v.prompts:
+        _check_path(str(v.prompts), f"{key}.prompts", err, warnings, check_paths, hub_ok=False)
     if cfg.model.num_attention_heads % v.parallel.tp:
         err.add("stages.vllm_smoke.parallel.tp", v.parallel.tp,
                 f"must divide model.num_attention_heads={cfg.model.num_attention_heads}")

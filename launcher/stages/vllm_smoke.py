@@ -1,19 +1,26 @@
-"""vLLM smoke stage: serve the export with vLLM, ask it questions with known answers, score them.
+"""vLLM smoke stage: serve the export with vLLM and check that it answers as the gate's model did.
 
 Rank 0 does the work (run the stage with one process: vLLM spawns its own tensor-parallel
 workers from ``parallel.tp``).  Steps:
-  1. the export: <run_dir>/export/<stages.export.name>/ (an HF checkpoint);
+  1. the export: <run_dir>/export/<stages.export.name>/ (an HF checkpoint), or ``model_dir``;
   2. capability check (unless ``force``): the export's quantization vs. what vLLM offers in the
      chosen interpreter (``launcher.vllm.capability``).  Unsupported -> ``on_unsupported``:
      ``skip`` writes vllm_smoke/skip.json {reason} (the pipeline records it in metadata.json) and
      says so on the console; ``fail`` fails the stage;
-  3. vLLM out of process - the OpenAI server on 127.0.0.1:<free port> (``mode: server``) or the
-     offline engine in a subprocess (``mode: offline``) - logging to vllm_smoke/log.txt;
-  4. greedy completions (temperature 0, ``max_tokens``) for the questions (``launcher.vllm.questions``);
-  5. vllm_smoke/responses.json; the stage passes only if vLLM came up, every answer is
-     non-empty and accuracy over the scored questions >= ``min_accuracy``.
+  3. inputs, as token ids: the gate's questions rebuilt exactly as the gate scored them
+     (``launcher.vllm.gate_questions``, checked against mmlu/results.json) and the generation
+     checks of ``prompts`` (``launcher.vllm.generation``, the export's chat template applied);
+  4. vLLM out of process, once (``launcher.vllm.backends``: the OpenAI server, ``mode: server``,
+     or the offline engine in a subprocess, ``mode: offline``), logging to vllm_smoke/log.txt:
+     the four choice log-probabilities per question (``scoring``), greedy completions per check;
+  5. the verdict, in vllm_smoke/responses.json (``SmokeRecord``).  It passes only when
+       * choices (``launcher.vllm.agreement``): agreement with the gate's predictions >=
+         ``min_agreement`` over the questions whose gate top-2 margin is >= ``tie_margin``
+         (the others are reported apart), and served accuracy >= ``min_accuracy``;
+       * generation: every answer non-empty and every ``contains``/``expected`` holds.
 vLLM is always stopped (process group + children), also on SIGTERM.  On failure the console
 shows the last lines of the vLLM log and vLLM's own error line.
+Config values (mode, scoring, bounds) are checked by ``launcher.config.validate._check_vllm``.
 """
 from __future__ import annotations
 
@@ -23,36 +30,73 @@ import signal
 import sys
 import threading
 import time
+from dataclasses import asdict, dataclass, field
 from typing import Iterator, Optional
 
-from omegaconf import OmegaConf
-
 from launcher.stages.context import StageContext, StageFailed, write_json_atomic
-from launcher.vllm import capability, questions as smoke_q
+from launcher.vllm import agreement, capability, generation
+from launcher.vllm.backends import BACKENDS, Backend, Replies, Work
+from launcher.vllm.gate_questions import GateMismatch, GateSet, load_gate_set
 from launcher.vllm.probe import probe_platform, vllm_python
 from launcher.vllm.procs import log_tail
-from launcher.vllm.server import VllmError, VllmServer, run_offline
+from launcher.vllm.server import VllmError
 
 LOG_TAIL_LINES = 30
+SCORE_DEFINITION = "log-softmax over the four choice tokens (shift-invariant: comparable to the gate's raw logits)"
+
+
+@dataclass
+class Checks:
+    """The generation checks, rendered for the served tokenizer."""
+    source: str
+    items: list[generation.GenerationCheck]
+    token_ids: list[list[int]]
+    rendered: list[str]
+    chat: list[bool]
+
+
+@dataclass
+class SmokeRecord:
+    """The content of vllm_smoke/responses.json."""
+
+    mode: str
+    model_dir: str
+    capability: dict
+    criteria: dict = field(default_factory=dict)
+    passed: bool = False
+    failure: Optional[str] = None           # the failures, joined
+    failures: list[str] = field(default_factory=list)
+    agreement: Optional[float] = None       # = choices.agreement, at the top for a quick look
+    accuracy: Optional[float] = None        # = choices.accuracy
+    choices: Optional[dict] = None          # source, totals, per-question rows, passed
+    generation: Optional[dict] = None       # source, totals, per-prompt rows, passed
+    server: Optional[dict] = None
+    vllm_error: Optional[str] = None
+    timings: dict = field(default_factory=dict)
+
+    def judge(self, gate: Optional[GateSet], checks: Optional[Checks], replies: Replies) -> None:
+        c = self.criteria
+        if gate is not None:
+            rows = agreement.compare(gate.answers, replies.choice_logprobs, c["tie_margin"])
+            summary = agreement.summarize(rows, gate.answers)
+            bad = agreement.verdict(summary, c["min_agreement"], c["min_accuracy"], c["tie_margin"])
+            self.choices = {"source": gate.info, "scoring": c["scoring"], "score": SCORE_DEFINITION,
+                            "passed": not bad, "failures": bad, **summary}
+            self.agreement, self.accuracy = summary["agreement"], summary["accuracy"]
+            self.failures += bad
+        if checks is not None:
+            summary = generation.summarize(checks.items, checks.rendered, checks.chat, replies.texts)
+            bad = generation.verdict(summary)
+            self.generation = {"source": checks.source, "max_tokens": c["max_tokens"],
+                               "passed": not bad, "failures": bad, **summary}
+            self.failures += bad
+        self.passed = not self.failures
+        self.failure = "; ".join(self.failures) or None
 
 
 def _model_dir(ctx: StageContext) -> str:
     explicit = ctx.stage_cfg.model_dir
     return explicit or ctx.path("export", str(ctx.cfg.stages.export.name))
-
-
-def _questions(ctx: StageContext) -> tuple[list[smoke_q.SmokeQuestion], str]:
-    sc = ctx.stage_cfg
-    try:
-        if sc.prompts:
-            return smoke_q.jsonl_questions(str(sc.prompts)), f"jsonl:{sc.prompts}"
-        dataset = OmegaConf.select(ctx.cfg, "stages.mmlu.dataset", default=None)
-        if not dataset:
-            raise ValueError("stages.vllm_smoke.prompts is unset and stages.mmlu.dataset is missing: "
-                             "nothing to ask")
-        return smoke_q.mmlu_questions(str(dataset), int(sc.questions)), f"mmlu:{dataset}"
-    except (OSError, ValueError) as e:
-        raise StageFailed(f"vllm_smoke questions: {e}") from e
 
 
 @contextlib.contextmanager
@@ -72,7 +116,7 @@ def _sigterm_as_exit() -> Iterator[None]:
         signal.signal(signal.SIGTERM, old)
 
 
-def _show_tail(ctx: StageContext, log_path: str) -> None:
+def _show_tail(log_path: str) -> None:
     tail = log_tail(log_path, LOG_TAIL_LINES)
     print(f"[vllm_smoke] last {len(tail)} lines of {log_path}:", file=sys.stderr)
     for ln in tail:
@@ -80,13 +124,112 @@ def _show_tail(ctx: StageContext, log_path: str) -> None:
     sys.stderr.flush()
 
 
-def _unsupported(ctx: StageContext, reason: str, record: dict) -> None:
-    sc = ctx.stage_cfg
-    if sc.on_unsupported == "fail":
-        raise StageFailed(f"vLLM cannot serve this export here: {reason} "
+def _capability(ctx: StageContext, model_dir: str) -> tuple[dict, capability.QuantInfo, str]:
+    """(capability record, the export's quantization, the vLLM build's device)."""
+    try:
+        quant = capability.read_quant_info(model_dir)
+    except capability.ExportConfigError as e:
+        raise StageFailed(f"vllm_smoke: no export to serve: {e} (run stages.export first)") from e
+    python = vllm_python(ctx.stage_cfg.python)
+    t0 = time.monotonic()
+    platform = probe_platform(python)
+    ok, reason = capability.decide(quant, platform)
+    ctx.log(f"export {model_dir}: {quant.describe()}; vLLM: {python} -> {reason}")
+    return {"ok": ok, "reason": reason, "forced": bool(ctx.stage_cfg.force),
+            "quantization": quant.describe(), "python": python,
+            "vllm_version": platform.vllm_version, "vllm_device": platform.vllm_device,
+            "gpu_capabilities": [f"{a}.{b}" for a, b in platform.gpu_capabilities],
+            "check_s": round(time.monotonic() - t0, 2)}, quant, platform.vllm_device
+
+
+def _refused(ctx: StageContext, cap: dict, model_dir: str) -> bool:
+    """True when the stage ends here: the export is unsupported and ``force`` is off (skip or fail)."""
+    if cap["ok"]:
+        return False
+    if ctx.stage_cfg.force:
+        ctx.warn(f"capability check says no ({cap['reason']}); force=true: starting vLLM anyway")
+        return False
+    if ctx.stage_cfg.on_unsupported == "fail":
+        raise StageFailed(f"vLLM cannot serve this export here: {cap['reason']} "
                           f"(stages.vllm_smoke.on_unsupported=fail; force=true tries anyway)")
-    write_json_atomic(os.path.join(ctx.stage_dir, "skip.json"), {"reason": reason, **record})
-    ctx.warn(f"SKIPPED: {reason} (stages.vllm_smoke.on_unsupported=skip; force=true tries anyway)")
+    write_json_atomic(os.path.join(ctx.stage_dir, "skip.json"),
+                      {"reason": cap["reason"], "capability": cap, "model_dir": model_dir})
+    ctx.warn(f"SKIPPED: {cap['reason']} (stages.vllm_smoke.on_unsupported=skip; force=true tries anyway)")
+    return True
+
+
+def _inputs(ctx: StageContext, model_dir: str) -> tuple[Optional[GateSet], Optional[Checks]]:
+    from launcher.stages.mmlu import load_tokenizer
+
+    sc, cfg = ctx.stage_cfg, ctx.cfg
+    trust = bool(cfg.model.get("trust_remote_code", False))
+    gate = checks = None
+    try:
+        if sc.score_choices:
+            # the gate's tokenizer, as the gate loaded it: the token ids are the gate's own
+            gate = load_gate_set(ctx.path("mmlu", "results.json"), cfg.stages.mmlu,
+                                 load_tokenizer(cfg.model.path, trust), int(sc.questions))
+        if sc.prompts:
+            items = generation.read_checks(str(sc.prompts))
+            served = load_tokenizer(model_dir, trust)      # what vLLM serves: the export's template
+            ids, texts, chat = zip(*(generation.render(c, served) for c in items))
+            checks = Checks(f"jsonl:{sc.prompts}", items, list(ids), list(texts), list(chat))
+    except (OSError, ValueError, GateMismatch) as e:
+        raise StageFailed(f"vllm_smoke inputs: {e}") from e
+    return gate, checks
+
+
+def _criteria(ctx: StageContext, gate: Optional[GateSet], quant: capability.QuantInfo) -> dict:
+    sc = ctx.stage_cfg
+    if sc.min_agreement is not None:
+        min_agree, agree_src = float(sc.min_agreement), "stages.vllm_smoke.min_agreement"
+    else:
+        min_agree = agreement.default_min_agreement(quant.quantized)
+        agree_src = f"default for a{' quantized' if quant.quantized else 'n unquantized'} export"
+    bound = gate.info.get("lower_bound") if gate is not None else None
+    if sc.min_accuracy is not None:
+        min_acc, acc_src = float(sc.min_accuracy), "stages.vllm_smoke.min_accuracy"
+    else:
+        min_acc = float(bound) if bound is not None else 0.0
+        acc_src = "the gate's lower_bound" if bound is not None else "none (the gate has no lower_bound)"
+    return {"min_agreement": min_agree, "min_agreement_from": agree_src, "min_accuracy": min_acc,
+            "min_accuracy_from": acc_src, "tie_margin": float(sc.tie_margin), "scoring": str(sc.scoring),
+            "max_tokens": int(sc.max_tokens)}
+
+
+def _backend(ctx: StageContext, model_dir: str, python: str, device: str) -> Backend:
+    sc = ctx.stage_cfg
+    return BACKENDS[sc.mode](python=python, model_dir=model_dir,
+                             log_path=os.path.join(ctx.stage_dir, "log.txt"), work_dir=ctx.stage_dir,
+                             tp=int(sc.parallel.tp), extra_args=[str(a) for a in sc.extra_args],
+                             device=device, startup_timeout_s=float(sc.startup_timeout_s),
+                             request_timeout_s=float(sc.request_timeout_s), log=ctx.log)
+
+
+def _write(ctx: StageContext, record: SmokeRecord, t_start: float) -> None:
+    record.timings["total_s"] = round(time.monotonic() - t_start, 2)
+    write_json_atomic(os.path.join(ctx.stage_dir, "responses.json"), asdict(record))
+
+
+def _report(ctx: StageContext, record: SmokeRecord) -> None:
+    ch, gen = record.choices, record.generation
+    if ch is not None:
+        agree = "n/a" if ch["agreement"] is None else f"{ch['agreement']:.3f}"
+        ctx.log(f"choices: agreement with the gate {agree} ({ch['n_agree']}/{ch['n_counted']}; "
+                f"{ch['n_ties']} ties reported apart, {len(ch['tie_disagreements'])} of them differ), "
+                f"min {record.criteria['min_agreement']:g}; served accuracy {ch['accuracy']:.3f} vs the "
+                f"gate's {ch['gate_accuracy']:.3f} on {ch['n']} questions, min "
+                f"{record.criteria['min_accuracy']:g}; choice-score difference median "
+                f"{ch['median_score_diff']:.4f}, max {ch['max_score_diff']:.4f}")
+        for r in [r for r in ch["questions"] if not r["agree"] and not r["tie"]][:5]:
+            ctx.warn(f"{r['id']}: gate {r['gate_prediction']} (scores {r['gate_scores']}), vLLM "
+                     f"{r['vllm_prediction']} (scores {r['vllm_scores']})")
+    if gen is not None:
+        ctx.log(f"generation: {gen['n_passed']}/{gen['n_scored']} checks passed, "
+                f"{len(gen['empty_responses'])} empty of {gen['n']}")
+        for r in gen["prompts"][:3]:
+            ctx.log(f"  {r['id']}: {r['prompt']!r} -> {r['response']!r}")
+    ctx.log(f"{'PASS' if record.passed else 'FAIL'}; timings {record.timings}")
 
 
 def run(ctx: StageContext) -> None:
@@ -94,96 +237,37 @@ def run(ctx: StageContext) -> None:
         return
     t_start = time.monotonic()
     sc = ctx.stage_cfg
-    if sc.mode not in ("server", "offline"):
-        raise StageFailed(f"stages.vllm_smoke.mode={sc.mode!r}: valid modes are server, offline")
-    if sc.on_unsupported not in ("skip", "fail"):
-        raise StageFailed(f"stages.vllm_smoke.on_unsupported={sc.on_unsupported!r}: valid: skip, fail")
     os.makedirs(ctx.stage_dir, exist_ok=True)
     for stale in ("responses.json", "skip.json"):
         with contextlib.suppress(FileNotFoundError):
             os.remove(os.path.join(ctx.stage_dir, stale))
-    log_path = os.path.join(ctx.stage_dir, "log.txt")
     model_dir = _model_dir(ctx)
-    tp = int(sc.parallel.tp)
-
-    try:
-        quant = capability.read_quant_info(model_dir)
-    except capability.ExportConfigError as e:
-        raise StageFailed(f"vllm_smoke: no export to serve: {e} (run stages.export first)") from e
-    python = vllm_python(sc.python)
-    t0 = time.monotonic()
-    platform = probe_platform(python)
-    ok, reason = capability.decide(quant, platform)
-    cap = {"ok": ok, "reason": reason, "forced": bool(sc.force), "quantization": quant.describe(),
-           "python": python, "vllm_version": platform.vllm_version, "vllm_device": platform.vllm_device,
-           "gpu_capabilities": [f"{a}.{b}" for a, b in platform.gpu_capabilities],
-           "check_s": round(time.monotonic() - t0, 2)}
-    ctx.log(f"export {model_dir}: {quant.describe()}; vLLM: {python} -> {reason}")
-    if not ok and not sc.force:
-        _unsupported(ctx, reason, {"capability": cap, "model_dir": model_dir})
+    cap, quant, device = _capability(ctx, model_dir)
+    if _refused(ctx, cap, model_dir):
         return
-    if not ok:
-        ctx.warn(f"capability check says no ({reason}); force=true: starting vLLM anyway")
-
-    qs, source = _questions(ctx)
-    prompts = [q.prompt for q in qs]
-    extra = [str(a) for a in sc.extra_args]
-    record = {"passed": False, "mode": sc.mode, "model_dir": model_dir, "source": source,
-              "min_accuracy": float(sc.min_accuracy), "max_tokens": int(sc.max_tokens),
-              "capability": cap, "server": None, "failure": None, "vllm_error": None}
-    timings: dict = {"capability_s": cap["check_s"]}
-    ctx.log(f"{sc.mode}: {len(qs)} questions from {source}, tp={tp}, log {log_path}")
-    responses: Optional[list[str]] = None
+    gate, checks = _inputs(ctx, model_dir)
+    record = SmokeRecord(mode=sc.mode, model_dir=model_dir, capability=cap,
+                         criteria=_criteria(ctx, gate, quant), timings={"capability_s": cap["check_s"]})
+    work = Work(score_prompts=gate.token_ids if gate else (), choice_ids=gate.choice_ids if gate else (),
+                scoring=str(sc.scoring), gen_prompts=checks.token_ids if checks else (),
+                max_tokens=int(sc.max_tokens))
+    backend = _backend(ctx, model_dir, cap["python"], device)
+    ctx.log(f"{sc.mode}: {len(work.score_prompts)} gate questions ({sc.scoring}), "
+            f"{len(work.gen_prompts)} generation checks, tp={sc.parallel.tp}, log {backend.log_path}")
     try:
         with _sigterm_as_exit():
-            if sc.mode == "server":
-                server = VllmServer(python, model_dir, log_path, tp=tp, extra_args=extra,
-                                    device=platform.vllm_device,
-                                    startup_timeout_s=float(sc.startup_timeout_s))
-                try:
-                    server.start()
-                    ctx.log(f"server healthy at {server.base_url} after {server.startup_s:.1f} s")
-                    t1 = time.monotonic()
-                    responses = server.complete(prompts, int(sc.max_tokens), float(sc.request_timeout_s))
-                    timings["generate_s"] = round(time.monotonic() - t1, 2)
-                finally:
-                    server.stop()
-                    record["server"] = server.info()
-                timings["startup_s"] = server.startup_s
-            else:
-                responses, info = run_offline(
-                    python, model_dir, prompts, int(sc.max_tokens), log_path, ctx.stage_dir, tp=tp,
-                    extra_args=extra, device=platform.vllm_device,
-                    timeout_s=float(sc.startup_timeout_s) + float(sc.request_timeout_s))
-                record["server"] = info
-                timings["startup_s"], timings["generate_s"] = info.get("load_s"), info.get("generate_s")
+            replies = backend.run(work)
     except VllmError as e:
-        record.update(failure=str(e), vllm_error=e.error_line)
-        record["server"] = record["server"] or e.info
-        timings["total_s"] = round(time.monotonic() - t_start, 2)
-        record["timings"] = timings
-        write_json_atomic(os.path.join(ctx.stage_dir, "responses.json"), record)
-        _show_tail(ctx, log_path)
+        record.failure, record.vllm_error, record.server = str(e), e.error_line, e.info or None
+        record.failures = [record.failure]
+        _write(ctx, record, t_start)
+        _show_tail(backend.log_path)
         raise StageFailed(f"vllm_smoke: {e}") from e
-
-    summary = smoke_q.summarize(qs, responses)
-    record.update(summary)
-    acc, n_scored = summary["accuracy"], summary["n_scored"]
-    problems = smoke_q.verdict(summary, float(sc.min_accuracy))
-    record["passed"] = not problems
-    record["failure"] = "; ".join(problems) or None
-    timings["total_s"] = round(time.monotonic() - t_start, 2)
-    record["timings"] = timings
-    write_json_atomic(os.path.join(ctx.stage_dir, "responses.json"), record)
-    acc_s = f"{acc:.3f} ({summary['n_correct']}/{n_scored})" if acc is not None else "n/a (nothing scored)"
-    ctx.log(f"accuracy {acc_s}, min {float(sc.min_accuracy):g}; {len(qs)} answers, "
-            f"{len(summary['empty_responses'])} empty; {timings}")
-    if acc is None:
-        ctx.warn("no question has an expected answer: only 'non-empty' was checked")
-    if problems:
-        _show_tail(ctx, log_path)
-        bad = [r for r in summary["questions"] if r["correct"] is False or not r["response"].strip()]
-        for r in bad[:5]:
-            ctx.warn(f"{r['id']}: expected {r['expected'] or r['contains']!r}, got {r['response']!r}")
-        raise StageFailed(f"vllm_smoke failed: {record['failure']} "
+    record.server = replies.info
+    record.timings.update({k: replies.info.get(k) for k in ("startup_s", "score_s", "generate_s")})
+    record.judge(gate, checks, replies)
+    _write(ctx, record, t_start)
+    _report(ctx, record)
+    if not record.passed:
+        raise StageFailed(f"vllm_smoke failed: {record.failure} "
                           f"(see {os.path.join(ctx.stage_dir, 'responses.json')})")

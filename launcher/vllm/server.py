@@ -41,7 +41,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 @dataclass
 class VllmServer:
-    """``with VllmServer(...) as srv: srv.complete(prompts, max_tokens)``; always stopped on exit."""
+    """``with VllmServer(...) as srv: srv.complete(token_ids, max_tokens)``; always stopped on exit."""
 
     python: str
     model_dir: str
@@ -98,13 +98,24 @@ class VllmServer:
                                 self.log_path, log_tail(self.log_path))
             time.sleep(1.0)
 
-    def complete(self, prompts: Sequence[str], max_tokens: int, timeout: float = 600.0) -> list[str]:
+    def _ask(self, what: str, fn, *args):
         assert self.model_name is not None, "start() first"
         try:
-            return client.complete(self.base_url, self.model_name, prompts, max_tokens, timeout)
+            return fn(self.base_url, self.model_name, *args)
         except client.ClientError as e:
-            raise VllmError(f"completion request failed: {e}", self.log_path,
-                            log_tail(self.log_path)) from e
+            raise VllmError(f"{what} request failed: {e}", self.log_path, log_tail(self.log_path),
+                            info=self.info()) from e
+
+    def complete(self, prompts: Sequence[Sequence[int]], max_tokens: int,
+                 timeout: float = 600.0) -> list[str]:
+        """Greedy completions of token-id prompts."""
+        return self._ask("completion", client.complete, prompts, max_tokens, timeout)
+
+    def choice_logprobs(self, prompts: Sequence[Sequence[int]], choice_ids: Sequence[int],
+                        method: str, timeout: float = 600.0, progress=None) -> list[list[float]]:
+        """Per prompt, log p(choice | prompt) of each choice id (``client.choice_logprobs``)."""
+        return self._ask("choice scoring", client.choice_logprobs, prompts, choice_ids, method,
+                         timeout, progress)
 
     def info(self) -> dict:
         return {"mode": "server", "python": self.python, "url": self.base_url, "tp": self.tp,
@@ -122,20 +133,19 @@ class VllmServer:
         self.stop()
 
 
-def run_offline(python: str, model_dir: str, prompts: Sequence[str], max_tokens: int,
-                log_path: str, work_dir: str, tp: int = 1, extra_args: Sequence[str] = (),
-                device: str = "cpu", timeout_s: float = 900.0,
-                env: Optional[dict] = None) -> tuple[list[str], dict]:
-    """Greedy completions from vLLM's offline engine in a subprocess; (texts, info)."""
+def run_offline(python: str, model_dir: str, work: dict, log_path: str, work_dir: str,
+                tp: int = 1, extra_args: Sequence[str] = (), device: str = "cpu",
+                timeout_s: float = 900.0, env: Optional[dict] = None) -> tuple[dict, dict]:
+    """Run ``offline_engine.py`` on ``work`` (its IN.json) in a subprocess; (OUT.json, info)."""
     os.makedirs(work_dir, exist_ok=True)
-    in_path = os.path.join(work_dir, "offline_prompts.json")
+    in_path = os.path.join(work_dir, "offline_work.json")
     out_path = os.path.join(work_dir, "offline_out.json")
     with open(in_path, "w") as f:
-        json.dump(list(prompts), f)
+        json.dump(work, f)
     if os.path.exists(out_path):
         os.remove(out_path)
-    cmd = [python, OFFLINE_SCRIPT, "--model", model_dir, "--prompts", in_path, "--out", out_path,
-           "--tp", str(tp), "--max-tokens", str(max_tokens), *extra_args]
+    cmd = [python, OFFLINE_SCRIPT, "--model", model_dir, "--work", in_path, "--out", out_path,
+           "--tp", str(tp), *extra_args]
     t0 = time.monotonic()
     proc = GroupProcess(cmd, log_path, env=vllm_env(env, device))
     try:
@@ -159,6 +169,6 @@ def run_offline(python: str, model_dir: str, prompts: Sequence[str], max_tokens:
         first = (result.get("error") or "").splitlines()[:1]
         raise VllmError(f"vLLM offline engine failed (exit {rc})", log_path, log_tail(log_path),
                         error=first[0][:500] if first else None, info=info)
-    info.update({k: result.get(k) for k in ("load_s", "generate_s", "vllm_version")})
+    info.update({k: result.get(k) for k in ("load_s", "score_s", "generate_s", "vllm_version")})
     info["startup_s"] = result.get("load_s")
-    return result["texts"], info
+    return result, info
