@@ -7,8 +7,8 @@ PYTEST_ARGS ?=
 
 .PHONY: demo test venv vllm-env slurm tiny test-vllm test-fast clean-runs
 
-venv: $(VENV)/.setup-done-v1
-$(VENV)/.setup-done-v1: pyproject.toml scripts/setup_venv.sh
+venv: $(VENV)/.setup-done-v2
+$(VENV)/.setup-done-v2: pyproject.toml scripts/setup_venv.sh
 	PYTHON=$(PY) bash scripts/setup_venv.sh
 
 vllm-env:
