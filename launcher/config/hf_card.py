@@ -80,6 +80,55 @@ def nemotron_h_pattern(hf: dict[str, Any]) -> str:
     return pattern
 
 
+def _json_float(value: Any) -> float:
+    """A float from config.json: a number, or transformers' {"__float__": "Infinity"} encoding."""
+    if isinstance(value, dict) and "__float__" in value:
+        return float(value["__float__"])
+    return float(value)
+
+
+def nemotron_h_unsupported(hf: dict[str, Any]) -> list[str]:
+    """Every Nemotron-H config.json option this launcher's Megatron builder would compute
+    differently from transformers' NemotronHForCausalLM, as "config.json KEY=VALUE is not
+    supported ...; supported: ..." messages (empty: buildable).  Pure JSON: validation calls it
+    before anything starts, the builder again before it builds."""
+    out = []
+
+    def refuse(key: str, supported: str) -> None:
+        out.append(f"config.json {key}={hf.get(key)!r} is not supported by this launcher's Nemotron-H "
+                   f"builder; supported: {supported}")
+
+    if hf.get("mlp_hidden_act", "relu2") != "relu2":
+        refuse("mlp_hidden_act", "'relu2'")
+    if hf.get("mamba_hidden_act", "silu") != "silu":
+        refuse("mamba_hidden_act", "'silu'")
+    if hf.get("moe_latent_size"):
+        refuse("moe_latent_size", "null (latent MoE, as in Nemotron-3-Super, is not built)")
+    for key in ("use_bias", "attention_bias", "mlp_bias", "mamba_proj_bias"):
+        if hf.get(key):
+            refuse(key, "false")
+    if not hf.get("use_conv_bias", True):
+        refuse("use_conv_bias", "true (Megatron's Mamba mixer always has a conv bias)")
+    if float(hf.get("layer_norm_epsilon", 1e-5)) != 1e-5:
+        refuse("layer_norm_epsilon", "1e-05 (Megatron's Mamba mixer norm fixes it)")
+    limit = hf.get("time_step_limit")
+    if limit is not None and [_json_float(v) for v in limit] != [0.0, float("inf")]:
+        refuse("time_step_limit", "[0.0, inf]")
+    if hf.get("residual_in_fp32"):
+        refuse("residual_in_fp32", "false")
+    heads, groups = hf.get("mamba_num_heads"), hf.get("n_groups", 8)
+    if heads is not None and groups and heads % groups:
+        refuse("mamba_num_heads", f"a multiple of n_groups={groups}")
+    topk = hf.get("num_experts_per_tok") or 1
+    n_group = hf.get("n_group") or 1
+    if topk > 1 and not hf.get("norm_topk_prob", True):
+        refuse("norm_topk_prob", "true (Megatron normalizes sigmoid top-k scores)")
+    if n_group > 1 and topk // (hf.get("topk_group") or 1) != 2:
+        refuse("topk_group", "num_experts_per_tok // topk_group == 2 with n_group > 1 (transformers scores "
+               "each expert group by its top-2 experts, Megatron by its top topk/topk_group)")
+    return out
+
+
 def card_from_hf_config(hf: dict[str, Any]) -> dict[str, Any]:
     """Card fields derived from config.json: architecture and every dimension found.
 

@@ -15,7 +15,8 @@ from omegaconf import DictConfig
 from launcher.config import schema
 from launcher.config.compose import ConfigError, recipe_names
 from launcher.config.hf_card import (
-    HYBRID_ARCHITECTURES, PATTERN_SYMBOLS, card_from_hf_config, hybrid_layers, read_hf_config)
+    HYBRID_ARCHITECTURES, PATTERN_SYMBOLS, card_from_hf_config, hybrid_layers, nemotron_h_unsupported,
+    read_hf_config)
 from launcher.topology import ParallelDims, minimal_world_size
 
 SUPPORTED_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM", "NemotronHForCausalLM")
@@ -108,6 +109,9 @@ def _check_model(cfg: DictConfig, err: _Errors, warnings: list[str], check_paths
     except ValueError as e:
         err.add("model.path", card.path, str(e))
         return
+    if hf is not None and derived.get("architecture") in HYBRID_ARCHITECTURES:
+        for problem in nemotron_h_unsupported(hf):
+            err.add("model.path", card.path, problem)
     if hf is None:
         if check_paths and not is_hub_id(card.path):
             err.add("model.path", card.path, "no config.json there (a local Hugging Face checkpoint directory)")
@@ -172,6 +176,10 @@ def _check_parallel(cfg: DictConfig, stage: str, err: _Errors) -> None:
         err.add(f"{key}.pp", p.pp, f"must divide {what}{card.num_layers} layers: Megatron gives every "
                 f"pipeline stage the same number of whole layers "
                 f"(valid: {', '.join(map(str, divisors(card.num_layers)))})")
+    if card.architecture in HYBRID_ARCHITECTURES and p.tp > 1:
+        err.add(f"{key}.tp", p.tp, f"must be 1 for {card.architecture}: ModelOpt 0.47's Nemotron-H import "
+                "replicates the Mamba mixer's norm weight, which Megatron shards over TP (the weights "
+                "would not load); use ep/pp instead")
     for dim in ("num_attention_heads", "num_query_groups"):
         if card[dim] % p.tp:
             err.add(f"{key}.tp", p.tp, f"must divide model.{dim}={card[dim]} "

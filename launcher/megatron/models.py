@@ -201,45 +201,19 @@ def _build_gpt(arch: str, hf: dict[str, Any], dims: "ParallelDims", device: str,
     return model
 
 
-def _json_float(value: Any) -> float:
-    """A float from config.json: a number, or transformers' {"__float__": "Infinity"} encoding."""
-    if isinstance(value, dict) and "__float__" in value:
-        return float(value["__float__"])
-    return float(value)
-
-
 def _nemotron_h_config_kwargs(hf: dict[str, Any]) -> dict[str, Any]:
     """TransformerConfig keyword arguments for Nemotron-H (architecture part only).
 
     Every option that Megatron's hybrid model computes differently from transformers'
-    ``NemotronHForCausalLM`` is refused here, naming the config.json key.
+    ``NemotronHForCausalLM`` is refused (``hf_card.nemotron_h_unsupported``), naming the key.
     """
     import torch.nn.functional as F
 
-    from launcher.config.hf_card import nemotron_h_pattern
+    from launcher.config.hf_card import nemotron_h_pattern, nemotron_h_unsupported
 
-    def refuse(key: str, value: Any, supported: str) -> None:
-        raise ValueError(f"config.json {key}={value!r} is not supported by this launcher's Nemotron-H "
-                         f"builder; supported: {supported}")
-
-    if hf.get("mlp_hidden_act", "relu2") != "relu2":
-        refuse("mlp_hidden_act", hf.get("mlp_hidden_act"), "'relu2'")
-    if hf.get("mamba_hidden_act", "silu") != "silu":
-        refuse("mamba_hidden_act", hf.get("mamba_hidden_act"), "'silu'")
-    if hf.get("moe_latent_size"):
-        refuse("moe_latent_size", hf["moe_latent_size"], "null (latent MoE is not built)")
-    for key in ("use_bias", "attention_bias", "mlp_bias", "mamba_proj_bias"):
-        if hf.get(key):
-            refuse(key, hf[key], "false")
-    if not hf.get("use_conv_bias", True):
-        refuse("use_conv_bias", hf["use_conv_bias"], "true (Megatron's mixer always has a conv bias)")
-    if float(hf.get("layer_norm_epsilon", 1e-5)) != 1e-5:
-        refuse("layer_norm_epsilon", hf["layer_norm_epsilon"], "1e-05 (Megatron's Mamba mixer norm fixes it)")
-    limit = hf.get("time_step_limit")
-    if limit is not None and [_json_float(v) for v in limit] != [0.0, float("inf")]:
-        refuse("time_step_limit", limit, "[0.0, inf]")
-    if hf.get("residual_in_fp32"):
-        refuse("residual_in_fp32", hf["residual_in_fp32"], "false")
+    problems = nemotron_h_unsupported(hf)
+    if problems:
+        raise ValueError("; ".join(problems))
     pattern = nemotron_h_pattern(hf)
 
     def squared_relu(x):
@@ -248,8 +222,6 @@ def _nemotron_h_config_kwargs(hf: dict[str, Any]) -> dict[str, Any]:
     heads = hf.get("mamba_num_heads")
     head_dim = hf.get("mamba_head_dim", 64)
     groups = hf.get("n_groups", 8)
-    if heads is not None and heads % groups:
-        refuse("mamba_num_heads", heads, f"a multiple of n_groups={groups}")
     kw = dict(
         num_layers=len(pattern),
         **_attention_kwargs(hf),
@@ -270,11 +242,6 @@ def _nemotron_h_config_kwargs(hf: dict[str, Any]) -> dict[str, Any]:
     if "E" in pattern:
         topk = hf["num_experts_per_tok"]
         n_group = hf.get("n_group") or 1
-        if topk > 1 and not hf.get("norm_topk_prob", True):
-            refuse("norm_topk_prob", hf["norm_topk_prob"], "true (Megatron normalizes sigmoid top-k scores)")
-        if n_group > 1 and topk // (hf.get("topk_group") or 1) != 2:
-            refuse("topk_group", hf.get("topk_group"), f"num_experts_per_tok // topk_group == 2 with n_group > 1 "
-                   "(transformers scores each group by its top-2 experts, Megatron by its top topk/topk_group)")
         kw.update(
             num_moe_experts=hf["n_routed_experts"],
             moe_router_topk=topk,
