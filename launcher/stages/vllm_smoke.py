@@ -113,7 +113,7 @@ def run(ctx: StageContext) -> None:
     python = vllm_python(sc.python)
     t0 = time.monotonic()
     platform = probe_platform(python)
-    ok, reason = capability.decide(quant, platform)
+    ok, reason = capability.decide(quant, platform, capability.read_model_info(model_dir))
     cap = {"ok": ok, "reason": reason, "forced": bool(sc.force), "quantization": quant.describe(),
            "python": python, "vllm_version": platform.vllm_version, "vllm_device": platform.vllm_device,
            "gpu_capabilities": [f"{a}.{b}" for a, b in platform.gpu_capabilities],
