@@ -18,7 +18,7 @@
 #   nemotron     Nemotron-H on cuda with mamba_ssm's triton kernels (its wheel carried in .whl):
 #                pytest tests/test_gpu_nemotron_h.py (logits vs transformers), then the tiny
 #                NemotronH example end to end at world size 1 (needs the tiny build under
-#                $PTQ_CACHE_DIR/tiny/NemotronH-MoE-tiny)
+#                $PTQ_CACHE_DIR/tiny/NemotronH-MoE-tiny; extra overrides in $NEMOTRON_ARGS)
 #
 # Python packages the image lacks travel as wheels in .whl/ (benchmarks/README.md says which);
 # they are installed with --target into /tmp/site.  Reports land in REPORT_DIR.
@@ -77,7 +77,7 @@ for part in $parts; do
       timeout 300 python3 -m launcher.cli examples/tiny/NemotronH-MoE-tiny/megatron_lm_ptq.yaml \
         executor.device=cuda 'stages.quantize.parallel={ep:1,world_size:1}' \
         'stages.mmlu.parallel={ep:1,world_size:1}' 'stages.export.parallel={pp:1,world_size:1}' \
-        stages.vllm_smoke.enabled=false runs_root=/tmp/gpu-runs-nh 2>&1 | tee "$out/nemotron_pipeline.log"
+        stages.vllm_smoke.enabled=false runs_root=/tmp/gpu-runs-nh ${NEMOTRON_ARGS:-} 2>&1 | tee "$out/nemotron_pipeline.log"
       rc=$?
       run=$(ls -d /tmp/gpu-runs-nh/*/* 2>/dev/null | tail -1)
       [ -n "$run" ] && tar -C "$run" -czf "$out/nemotron_run.tgz" --exclude='checkpoint*' --exclude='hf' \
