@@ -171,12 +171,13 @@ def model_class(recipe: Recipe):
 
 
 class _MambaReferenceScan:
-    """Runs transformers' Nemotron-H Mamba mixers through mamba_ssm's pure-torch SSD reference
-    (``ssd_chunk_scan_combined_ref``: exact for any chunking, and ~10x cheaper on CPU than
-    transformers' naive path, which materializes [batch, chunk, l, s, heads, head_dim]).  Same
-    computation as transformers' kernel path and Megatron's mixer: conv, SiLU, scan with
-    softplus(dt + dt_bias) and no dt clamp, gated RMSNorm.  Installed on the mixer instances while
-    training and scoring only; the saved model is plain transformers."""
+    """Runs transformers' Nemotron-H Mamba mixers through mamba_ssm's minimal SSD
+    (``modules.ssd_minimal.ssd_minimal_discrete``, the Mamba-2 paper's listing: exact for any
+    chunking, stable under autograd - its segment sums are masked to -inf before exp - and ~10x
+    cheaper on CPU than transformers' naive path, which materializes [batch, chunk, l, s, heads,
+    head_dim]).  Same computation as transformers' kernel path and Megatron's mixer: conv, SiLU,
+    scan with softplus(dt + dt_bias) and no dt clamp, gated RMSNorm.  Installed on the mixer
+    instances while training and scoring only; the saved model is plain transformers."""
 
     def __init__(self, model):
         import types
@@ -194,33 +195,38 @@ class _MambaReferenceScan:
 
 def _mamba_reference_forward(mixer, hidden_states, cache_params=None, attention_mask=None, **_unused):
     import torch.nn.functional as F
+    from mamba_ssm.modules.ssd_minimal import ssd_minimal_discrete
     from mamba_ssm.ops.triton.layernorm_gated import rms_norm_ref
-    from mamba_ssm.ops.triton.ssd_combined import ssd_chunk_scan_combined_ref
 
     assert cache_params is None, "the reference forward keeps no cache (use_cache=False)"
     batch, length, _ = hidden_states.shape
-    groups_state = mixer.n_groups * mixer.ssm_state_size
+    heads, head_dim, groups, state = mixer.num_heads, mixer.head_dim, mixer.n_groups, mixer.ssm_state_size
     if attention_mask is not None:
         hidden_states = hidden_states * attention_mask[:, :, None].to(hidden_states.dtype)
     z, xbc, dt = mixer.in_proj(hidden_states).split(
-        [mixer.intermediate_size, mixer.intermediate_size + 2 * groups_state, mixer.num_heads], dim=-1)
+        [mixer.intermediate_size, mixer.intermediate_size + 2 * groups * state, heads], dim=-1)
     xbc = mixer.act(mixer.conv1d(xbc.transpose(1, 2))[..., :length].transpose(1, 2))
     if attention_mask is not None:
         xbc = xbc * attention_mask[:, :, None].to(xbc.dtype)
-    x, B, C = xbc.split([mixer.intermediate_size, groups_state, groups_state], dim=-1)
-    pad = (-length) % mixer.chunk_size
+    x, B, C = xbc.split([mixer.intermediate_size, groups * state, groups * state], dim=-1)
+    x = x.reshape(batch, length, heads, head_dim).float()
+    B = B.reshape(batch, length, groups, state).float().repeat_interleave(heads // groups, dim=2)
+    C = C.reshape(batch, length, groups, state).float().repeat_interleave(heads // groups, dim=2)
+    dt = F.softplus(dt.float() + mixer.dt_bias.float())                      # [batch, length, heads]
+    A = -mixer.A_log.float().exp()
+    # the SSD result does not depend on the chunking: chunks no longer than the (short) sequence
+    # keep the [chunk, chunk] segment sums small (padding 42 tokens to 128 cost 9x here)
+    block = min(mixer.chunk_size, -(-length // 16) * 16)
+    pad = (-length) % block
 
-    def chunked(t, *shape):
-        return F.pad(t.reshape(batch, length, *shape), (0, 0) * len(shape) + (0, pad))
+    def padded(t):
+        return F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad))
 
-    y = ssd_chunk_scan_combined_ref(
-        chunked(x, mixer.num_heads, mixer.head_dim), F.pad(dt, (0, 0, 0, pad)), -mixer.A_log.float().exp(),
-        chunked(B, mixer.n_groups, mixer.ssm_state_size), chunked(C, mixer.n_groups, mixer.ssm_state_size),
-        mixer.chunk_size, D=mixer.D, dt_bias=mixer.dt_bias, dt_softplus=True)
-    y = y[:, :length].reshape(batch, length, mixer.intermediate_size)
+    y, _ = ssd_minimal_discrete(padded(x * dt[..., None]), padded(A * dt), padded(B), padded(C), block)
+    y = (y[:, :length] + mixer.D.float()[:, None] * x).reshape(batch, length, mixer.intermediate_size)
     y = rms_norm_ref(y, mixer.norm.weight, None, z=z, eps=mixer.norm.variance_epsilon,
                      group_size=mixer.norm.group_size, norm_before_gate=False)
-    return mixer.out_proj(y)
+    return mixer.out_proj(y.to(hidden_states.dtype))
 
 
 class _SigmoidRouterBalance:
