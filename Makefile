@@ -5,10 +5,10 @@ PY ?= python3.11
 VENV := .venv
 PYTEST_ARGS ?=
 
-.PHONY: demo test venv vllm-env slurm tiny test-vllm test-fast clean-runs
+.PHONY: demo demo-nemotron test venv vllm-env slurm tiny tiny-qwen tiny-nemotron test-vllm test-fast clean-runs
 
-venv: $(VENV)/.setup-done-v1
-$(VENV)/.setup-done-v1: pyproject.toml scripts/setup_venv.sh
+venv: $(VENV)/.setup-done-v2
+$(VENV)/.setup-done-v2: pyproject.toml scripts/setup_venv.sh
 	PYTHON=$(PY) bash scripts/setup_venv.sh
 
 vllm-env:
@@ -17,11 +17,19 @@ vllm-env:
 slurm:
 	bash scripts/install_slurm.sh
 
-tiny: venv
-	$(VENV)/bin/python -m launcher.tiny
+tiny: tiny-qwen tiny-nemotron
 
-demo: venv tiny
+tiny-qwen: venv
+	$(VENV)/bin/python -m launcher.tiny --model Qwen3-MoE-tiny
+
+tiny-nemotron: venv
+	$(VENV)/bin/python -m launcher.tiny --model NemotronH-MoE-tiny
+
+demo: venv tiny-qwen
 	$(VENV)/bin/launch examples/tiny/Qwen3-MoE-tiny/megatron_lm_ptq.yaml
+
+demo-nemotron: venv tiny-nemotron
+	$(VENV)/bin/launch examples/tiny/NemotronH-MoE-tiny/megatron_lm_ptq.yaml
 
 test: venv vllm-env slurm tiny
 	OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest tests $(PYTEST_ARGS)

@@ -15,11 +15,15 @@
 #   cost-large   the third points: hidden 3072 (0.95 B parameters) at 16 and 512 samples
 #   bench        benchmarks/mmlu_gpu.py as quoted in README "Performance" (dense 1,430 questions,
 #                MoE 4 layers 290 questions; about 4 minutes)
+#   nemotron     Nemotron-H on cuda with mamba_ssm's triton kernels (its wheel carried in .whl):
+#                pytest tests/test_gpu_nemotron_h.py (logits vs transformers), then the tiny
+#                NemotronH example end to end at world size 1 (needs the tiny build under
+#                $PTQ_CACHE_DIR/tiny/NemotronH-MoE-tiny; extra overrides in $NEMOTRON_ARGS)
 #
 # Python packages the image lacks travel as wheels in .whl/ (benchmarks/README.md says which);
 # they are installed with --target into /tmp/site.  Reports land in REPORT_DIR.
 set -uo pipefail
-out=${1:?usage: gpu_checks.sh REPORT_DIR [tests] [pipeline] [bench-smoke] [bench] [probe] [cost] [cost-large]}
+out=${1:?usage: gpu_checks.sh REPORT_DIR [tests] [pipeline] [bench-smoke] [bench] [probe] [cost] [cost-large] [nemotron]}
 shift
 parts=${*:-tests pipeline}
 mkdir -p "$out"
@@ -66,7 +70,20 @@ for part in $parts; do
     cost-large)
       timeout 400 python3 benchmarks/pipeline_cost.py --out "$out/pipeline_cost_large.json" --parts stages \
         --device cuda --widths 3072 --calib-sizes 16,512 2>&1 | tee "$out/cost_large.log" ;;
-    *) echo "unknown part '$part' (valid: tests pipeline bench-smoke bench probe cost cost-large)"; exit 2 ;;
+    nemotron)
+      GPU_REPORT_DIR=$out timeout 240 python3 -m pytest -m gpu -p no:cacheprovider -s -q \
+        tests/test_gpu_nemotron_h.py 2>&1 | tee "$out/nemotron_tests.log"
+      rc_tests=$?
+      timeout 300 python3 -m launcher.cli examples/tiny/NemotronH-MoE-tiny/megatron_lm_ptq.yaml \
+        executor.device=cuda 'stages.quantize.parallel={ep:1,world_size:1}' \
+        'stages.mmlu.parallel={ep:1,world_size:1}' 'stages.export.parallel={pp:1,world_size:1}' \
+        stages.vllm_smoke.enabled=false runs_root=/tmp/gpu-runs-nh ${NEMOTRON_ARGS:-} 2>&1 | tee "$out/nemotron_pipeline.log"
+      rc=$?
+      run=$(ls -d /tmp/gpu-runs-nh/*/* 2>/dev/null | tail -1)
+      [ -n "$run" ] && tar -C "$run" -czf "$out/nemotron_run.tgz" --exclude='checkpoint*' --exclude='hf' \
+        --exclude='*.safetensors' . ;
+      [ "$rc_tests" = 0 ] && (exit $rc) ;;
+    *) echo "unknown part '$part' (valid: tests pipeline bench-smoke bench probe cost cost-large nemotron)"; exit 2 ;;
   esac
   rc=$?   # pipefail: the status of the part's command, not of tee
   echo "== $part: exit $rc in $(( $(date +%s) - t0 )) s" | tee -a "$out/parts.txt"

@@ -5,7 +5,7 @@ set -euo pipefail
 VENV=${VENV:-.venv}
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
-STAMP="$VENV/.setup-done-v1"
+STAMP="$VENV/.setup-done-v2"
 if [[ -f "$STAMP" ]]; then exit 0; fi
 echo "[setup] creating $VENV (one time, ~3-5 min)"
 "$PY" -m venv "$VENV"
@@ -23,6 +23,14 @@ $PIP install -q nvidia-modelopt==0.47.0 'transformers>=4.57,<5.15' safetensors t
     datasets requests psutil triton
 # gguf + accelerate: transformers' GGUF loader (python -m launcher.models smollm2 converts a PyPI GGUF).
 $PIP install -q gguf==0.19.0 accelerate==1.16.0
+# mamba_ssm (Nemotron-H's Mamba-2 mixer) without its CUDA extension: its triton kernels and
+# pure-torch references are Python; `import mamba_ssm` is made to work without the extension in
+# one place, launcher/megatron/mamba_ssm_compat.py.  MAMBA_FORCE_BUILD: otherwise setup.py tries
+# to download a prebuilt CUDA wheel.  --no-deps: its declared deps (tilelang, quack-kernels, ...)
+# serve other kernels; Megatron's Mamba mixer needs einops only.
+MAMBA_SKIP_CUDA_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE $PIP install -q --no-deps --no-build-isolation \
+    mamba-ssm==2.3.2.post1
+$PIP install -q einops
 $PIP install -q -e '.[test]'
 touch "$STAMP"
 echo "[setup] done"

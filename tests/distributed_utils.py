@@ -138,13 +138,45 @@ def write_tiny_qwen3_moe(path: str, num_layers: int = 4, seed: int = 0) -> str:
     return path
 
 
-def hf_logits(path: str, tokens) -> "object":
+def write_tiny_nemotron_h(path: str, pattern: str = "MEM*EMEM", seed: int = 0) -> str:
+    """A random Nemotron-H checkpoint shaped like Nano (Mamba-2 with groups, MoE with a shared
+    relu2 expert and sigmoid routing, attention without positions): hidden 64, Mamba 8 heads of
+    16 in 2 groups (state 16), attention 4 heads (2 KV) of 16, 8 experts top-2, fp32."""
     import torch
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    config = transformers.NemotronHConfig(
+        vocab_size=TINY_VOCAB, hidden_size=64, hybrid_override_pattern=pattern,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96,
+        mamba_num_heads=8, mamba_head_dim=16, n_groups=2, ssm_state_size=16, conv_kernel=4,
+        chunk_size=8, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        moe_shared_expert_intermediate_size=48, routed_scaling_factor=2.5, max_position_embeddings=128,
+        # transformers' CPU (naive) Mamba path clamps dt at time_step_min; its CUDA-kernel path,
+        # mamba_ssm and Megatron do not (dt_limit (0, inf)).  A tiny minimum keeps the clamp inert.
+        time_step_min=1e-6, time_step_floor=1e-6, layer_norm_epsilon=1e-5, tie_word_embeddings=False, eos_token_id=256, pad_token_id=256,
+        bos_token_id=None)
+    torch.manual_seed(seed)
+    model = transformers.NemotronHForCausalLM(config).float().eval()
+    with torch.no_grad():  # larger than the default init; a nonzero expert bias that matters
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.08)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.linspace(-0.05, 0.05, b.numel()))
+    model.save_pretrained(path)
+    write_byte_tokenizer(path)
+    return path
+
+
+def hf_logits(path: str, tokens, **config_overrides) -> "object":
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, **config_overrides).eval()
     with torch.no_grad():
-        return model(tokens).logits
+        return model(tokens, use_cache=False).logits
 
 
 def _main(target: str, kwargs_json: str, workdir: str) -> None:

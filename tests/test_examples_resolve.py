@@ -75,7 +75,7 @@ BROKEN = [
      "stages.export.parallel.ep=4: must be 1: ModelOpt's Megatron->HF export silently corrupts"),
     (NANO, ["stages.export.parallel.tp=2", "stages.export.parallel.pp=2"], "stages.export.parallel.tp=2: must be 1"),
     (NANO, ["stages.export.parallel.pp=3", "stages.export.parallel.world_size=3"],
-     "stages.export.parallel.pp=3: must divide the hybrid pattern's52 layers"),
+     "stages.export.parallel.pp=3: must divide the hybrid pattern's 52 layers"),
     (NANO, ["stages.mmlu.parallel.tp=4", "stages.mmlu.parallel.world_size=4", "stages.mmlu.parallel.ep=1"],
      "stages.mmlu.parallel.tp=4: must divide model.num_query_groups=2 (valid: 1, 2)"),
     (NANO, ["stages.mmlu.fraction=1.5"], "stages.mmlu.fraction=1.5: must satisfy 0 < fraction <= 1"),
@@ -145,3 +145,116 @@ def test_dataset_that_is_not_an_mmlu_layout_is_refused(tmp_path):
     with pytest.raises(ConfigError) as e:
         validate(compose_example(NANO, [f"stages.mmlu.dataset={tmp_path}"]), check_paths=True)
     assert f"stages.mmlu.dataset='{tmp_path}': directory is neither an HF datasets dir in the cais/mmlu layout" in str(e.value)
+
+
+# Nemotron-H config.json contents as the hub files state them (dimensions as in Megatron-LM's ModelOpt
+# example configurations for these models, examples/post_training/modelopt/conf/nvidia/*.sh)
+NANO_PATTERN = "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"
+SUPER_PATTERN = "MEMEMEM*EMEMEMEM*EMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEM*EMEMEMEME"
+NANO_CONFIG = {
+    "architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h", "num_hidden_layers": 52,
+    "hybrid_override_pattern": NANO_PATTERN, "hidden_size": 2688, "num_attention_heads": 32,
+    "num_key_value_heads": 2, "head_dim": 128, "intermediate_size": 1856, "mamba_num_heads": 64,
+    "mamba_head_dim": 64, "ssm_state_size": 128, "n_groups": 8, "n_routed_experts": 128,
+    "num_experts_per_tok": 6, "moe_intermediate_size": 1856, "moe_shared_expert_intermediate_size": 3712,
+    "n_shared_experts": 1, "routed_scaling_factor": 2.5, "n_group": 1, "topk_group": 1, "norm_topk_prob": True,
+    "mlp_hidden_act": "relu2", "layer_norm_epsilon": 1e-5, "vocab_size": 131072, "tie_word_embeddings": False}
+SUPER_CONFIG = {
+    **NANO_CONFIG, "num_hidden_layers": 88, "hybrid_override_pattern": SUPER_PATTERN, "hidden_size": 4096,
+    "intermediate_size": 2688, "mamba_num_heads": 128, "n_routed_experts": 512, "num_experts_per_tok": 22,
+    "moe_shared_expert_intermediate_size": 5376, "routed_scaling_factor": 5.0, "moe_latent_size": 1024,
+    "num_nextn_predict_layers": 1}
+SUPER = os.path.join(ROOT, "examples/nvidia/NVIDIA-Nemotron-3-Super-120B-A12B-BF16/megatron_lm_ptq.yaml")
+BLOCK_NAMES = {"M": "mamba", "E": "moe", "*": "attention"}
+
+
+def _checkpoint(tmp_path, config: dict, name: str = "ckpt") -> str:
+    import json
+
+    ckpt = tmp_path / name
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps(config))
+    return str(ckpt)
+
+
+def _transformers5_format(config: dict) -> dict:
+    """What transformers >= 5 save_pretrained writes: layers_block_type, no num_hidden_layers."""
+    out = {k: v for k, v in config.items() if k not in ("num_hidden_layers", "hybrid_override_pattern")}
+    out["layers_block_type"] = [BLOCK_NAMES[c] for c in config["hybrid_override_pattern"]]
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["hub", "transformers5"])
+def test_nano_card_agrees_with_its_config_json_in_both_formats(tmp_path, fmt):
+    config = NANO_CONFIG if fmt == "hub" else _transformers5_format(NANO_CONFIG)
+    ckpt = _checkpoint(tmp_path, config)
+    validate(compose_example(NANO, [f"model.path={ckpt}"]), check_paths=False)   # the card agrees
+    cfg = compose_example(NANO, ["model=from_checkpoint", f"model.path={ckpt}"])
+    validate(cfg, check_paths=False)
+    assert (cfg.model.num_layers, cfg.model.hybrid_pattern, cfg.model.num_experts, cfg.model.moe_topk,
+            cfg.model.num_query_groups) == (52, NANO_PATTERN, 128, 6, 2)
+
+
+def test_super_card_agrees_with_its_config_json_and_latent_moe_is_refused_before_start(tmp_path):
+    ckpt = _checkpoint(tmp_path, SUPER_CONFIG)
+    with pytest.raises(ConfigError) as e:
+        validate(compose_example(SUPER, [f"model.path={ckpt}"]), check_paths=False)
+    lines = str(e.value).splitlines()[1:]
+    assert len(lines) == 1, lines        # every dimension agrees: the only problem is LatentMoE
+    assert "config.json moe_latent_size=1024 is not supported" in lines[0]
+
+
+@pytest.mark.parametrize("drop, message", [
+    ("hidden_size", "config.json lacks hidden_size (one of ['hidden_size', 'd_model', 'n_embd'])"),
+    ("hybrid_override_pattern", "has neither hybrid_override_pattern nor layers_block_type"),
+    ("architectures", "config.json has no 'architectures' entry"),
+])
+def test_unreadable_nemotron_h_config_json_is_a_validation_error_naming_the_key(tmp_path, drop, message):
+    ckpt = _checkpoint(tmp_path, {k: v for k, v in NANO_CONFIG.items() if k != drop})
+    with pytest.raises(ConfigError) as e:
+        compose_example(NANO, ["model=from_checkpoint", f"model.path={ckpt}"])
+    assert message in str(e.value) and f"model.path={ckpt!r}" in str(e.value)
+
+
+def test_transformers5_config_without_num_hidden_layers_validates(tmp_path):
+    """Measured 2026-12-02: this config.json made `launch validate` die with omegaconf's
+    MissingMandatoryValue: model.num_layers."""
+    config = _transformers5_format({**NANO_CONFIG, "hybrid_override_pattern": "M*ME", "n_routed_experts": 8,
+                                    "num_experts_per_tok": 2})
+    ckpt = _checkpoint(tmp_path, config)
+    cfg = compose_example(NANO, ["model=from_checkpoint", f"model.path={ckpt}",
+                                 "stages.export.parallel.pp=2", "stages.export.parallel.world_size=2"])
+    validate(cfg, check_paths=False)
+    assert (cfg.model.num_layers, cfg.model.hybrid_pattern, cfg.model.num_experts) == (4, "M*ME", 8)
+    bad = _checkpoint(tmp_path, {**config, "layers_block_type": ["mamba", "gdn", "moe", "attention"]}, "bad")
+    with pytest.raises(ConfigError, match=r"layers_block_type has unknown types \['gdn'\]"):
+        compose_example(NANO, ["model=from_checkpoint", f"model.path={bad}"])
+
+
+@pytest.mark.parametrize("pattern, pp, message", [
+    ("MEM*|EMEM", 2, None),
+    ("MEM*|EMEM", 4, "stages.export.parallel.pp=4: must equal the 2 '|'-delimited stages"),
+    ("MEM*EMEM", 3, "stages.export.parallel.pp=3: must divide the hybrid pattern's 8 layers: Megatron gives every "
+                    "pipeline stage the same number of whole layers (valid: 1, 2, 4, 8)"),
+    ("MEQ*EMEM", 2, "model.hybrid_pattern='MEQ*EMEM': has symbols ['Q']"),
+    ("MEM*EMEM", 2, None),
+])
+def test_pipeline_stages_get_whole_layers_of_the_hybrid_pattern(pattern, pp, message):
+    """'|' in a pattern fixes Megatron's stages: then every stage's pp must equal their number."""
+    overrides = [f"model.hybrid_pattern={pattern}", "model.num_layers=8"]
+    for stage in ("quantize", "mmlu", "export"):
+        overrides += [f"stages.{stage}.parallel.pp={pp}", f"stages.{stage}.parallel.ep=1",
+                      f"stages.{stage}.parallel.world_size={pp}"]
+    if message is None:
+        validate(compose_example(NANO, overrides), check_paths=False)
+        return
+    with pytest.raises(ConfigError) as e:
+        validate(compose_example(NANO, overrides), check_paths=False)
+    assert message in str(e.value)
+
+
+def test_nemotron_h_tensor_parallel_is_refused_before_start():
+    with pytest.raises(ConfigError) as e:
+        validate(compose_example(NANO, ["stages.mmlu.parallel.tp=2", "stages.mmlu.parallel.world_size=8"]),
+                 check_paths=False)
+    assert "stages.mmlu.parallel.tp=2: must be 1 for NemotronHForCausalLM" in str(e.value)

@@ -211,9 +211,12 @@ def test_module_left_in_bf16_is_named(exports, tmp_path):
             t.pop(f"{m}.input_scale")
 
     _rewrite(d, edit)
-    report = _verify(d, exports=exports)
+    report = _verify(d, exports=exports, quantized_modules=set(exports["quantized_modules"]))
     assert (f"{m}.weight stayed float32: the recipe quantized {m} (nvfp4) but the export holds no "
             "quantized weight for it") in report["errors"]
+    # without the Megatron model's list (launch verify): unquantized and not declared excluded
+    assert (f"{m} is an unquantized linear but hf_quant_config.json exclude_modules does not name it: a "
+            "server would load it as nvfp4") in _verify(d, exports=exports)["errors"]
 
 
 def test_empty_tensor_is_named(exports, tmp_path):
@@ -266,13 +269,36 @@ def test_swapped_expert_data_fails_value_check(exports, tmp_path):
     assert report["errors"][0].startswith(f"{a}: dequantized weight is far from the source weight (relative error ")
 
 
+def test_unquantized_linear_missing_from_exclude_modules_is_named(exports, tmp_path):
+    """vLLM reads exclude_modules as the list of linears NOT to load quantized: an unquantized
+    router left off it would be loaded as NVFP4."""
+    d = _copy(exports, tmp_path)
+    for name in ("hf_quant_config.json", "config.json"):
+        path = os.path.join(d, name)
+        with open(path) as f:
+            data = json.load(f)
+        section = data["quantization"] if name == "hf_quant_config.json" else data["quantization_config"]
+        key = "exclude_modules" if name == "hf_quant_config.json" else "ignore"
+        section[key] = [m for m in section[key] if m != "model.layers.1.mlp.gate"]
+        with open(path, "w") as f:
+            json.dump(data, f)
+    expected = ["model.layers.1.mlp.gate is an unquantized linear but hf_quant_config.json exclude_modules does "
+                "not name it: a server would load it as nvfp4"]
+    assert _verify(d, exports=exports)["errors"] == expected          # launch verify: no Megatron model
+    assert _verify(d, exports=exports, quantized_modules=set(exports["quantized_modules"]))["errors"] == expected
+
+
 def test_wrong_format_and_missing_quant_config_are_reported(exports):
     errors = _verify(exports["nvfp4"], "fp8")["errors"]
     assert "hf_quant_config.json quantization.quant_algo='NVFP4', expected FP8 for recipe format fp8" in errors
     assert "config.json quantization_config.quant_algo='NVFP4', expected FP8 for recipe format fp8" in errors
     errors = _verify(exports["none"], "nvfp4")["errors"]
     assert "hf_quant_config.json is missing (recipe format nvfp4 needs quant_algo NVFP4 or W4A16_NVFP4)" in errors
-    assert any(e.startswith("model.layers.0.self_attn.q_proj.weight stayed float32") for e in errors)
+    unlisted = [e for e in errors if e.endswith("is an unquantized linear but hf_quant_config.json "
+                                                "exclude_modules does not name it: a server would load it as nvfp4")]
+    assert unlisted[0].startswith("lm_head ")
+    assert len([e for e in unlisted if not e.startswith("... and ")]) == 20    # capped, the rest counted:
+    assert unlisted[-1].startswith("... and ")
     errors = _verify(exports["nvfp4"], "none")["errors"]
     assert "hf_quant_config.json exists but the recipe format is none" in errors
 

@@ -101,3 +101,25 @@ def test_fp8_export_in_bf16_matches_the_fake_quant_after_the_fix(tmp_path):
     assert as_is["modules"] == fixed["modules"] > 20, r
     assert as_is["flips"] > 0.01 * as_is["elements"] and as_is["errors"] > 0, r
     assert fixed["flips"] == 0 and fixed["errors"] == 0, r
+
+
+def test_nemotron_h_embedding_saved_by_transformers_imports_after_the_fix(tmp_path):
+    """transformers 5 saves Nemotron-H's embedding as backbone.embedding.weight; ModelOpt 0.47's
+    importer asks for backbone.embeddings.weight (the hub's spelling)."""
+    from safetensors.torch import load_file
+
+    import modelopt.torch.export.plugins.megatron_importer as importer
+    from distributed_utils import write_tiny_nemotron_h
+    from launcher.megatron.modelopt_fixes import apply_modelopt_fixes
+
+    path = write_tiny_nemotron_h(str(tmp_path), pattern="M*")
+    saved = load_file(os.path.join(path, "model.safetensors"))
+    assert "backbone.embedding.weight" in saved and "backbone.embeddings.weight" not in saved
+    original = getattr(importer.get_safetensor, "__wrapped__", importer.get_safetensor)
+    with pytest.raises(ValueError, match=r"Key \[backbone.embeddings.weight\] does not exist"):
+        original(path, "backbone.embeddings.weight")      # still broken upstream: keep the fix
+    apply_modelopt_fixes()
+    got = importer.get_safetensor(path, "backbone.embeddings.weight")
+    assert torch.equal(got, saved["backbone.embedding.weight"])
+    with pytest.raises(ValueError, match=r"Key \[backbone.layers.9.norm.weight\] does not exist"):
+        importer.get_safetensor(path, "backbone.layers.9.norm.weight")   # other keys: unchanged

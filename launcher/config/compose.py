@@ -170,11 +170,18 @@ def _complete_model_card(cfg: DictConfig) -> None:
     path = card.path if not OmegaConf.is_missing(card, "path") else None
     if not path:
         raise ConfigError("model.path is required with model=from_checkpoint (a local HF checkpoint directory)")
-    hf = read_hf_config(path)
-    if hf is None:
-        raise ConfigError(f"model.path={path!r}: no config.json there; model=from_checkpoint needs a local checkpoint")
+    try:
+        hf = read_hf_config(path)
+        if hf is None:
+            raise ConfigError(f"model.path={path!r}: no config.json there; model=from_checkpoint needs a "
+                              "local checkpoint")
+        derived = card_from_hf_config(hf)
+    except ConfigError:
+        raise
+    except ValueError as e:
+        raise ConfigError(f"model.path={path!r}: {e}") from e
     defaults = schema.ModelCard()
-    for key, value in card_from_hf_config(hf).items():
+    for key, value in derived.items():
         # config.json fills every field left missing or at its schema default
         if OmegaConf.is_missing(card, key) or card[key] is None or card[key] == getattr(defaults, key):
             card[key] = value

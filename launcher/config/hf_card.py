@@ -1,4 +1,14 @@
-"""Read a model card's dimensions from a Hugging Face config.json (pure JSON, no transformers)."""
+"""Read a model card's dimensions from a Hugging Face config.json (pure JSON, no transformers).
+
+Nemotron-H config.json comes in two formats, and both are read:
+
+* the hub's (e.g. Nemotron-3-Nano-30B-A3B): ``hybrid_override_pattern`` ("MEMEM*E...",
+  M Mamba, E MoE, * attention, - MLP) and ``num_hidden_layers``;
+* transformers >= 5's ``save_pretrained``: ``layers_block_type`` (["mamba", "moe", ...], or
+  the newer names "linear_attention" / "full_attention"), and no ``num_hidden_layers``.
+
+A config.json the reader cannot use raises ``ValueError`` naming the missing or bad key.
+"""
 from __future__ import annotations
 
 import json
@@ -13,9 +23,15 @@ _CARD_KEYS: dict[str, tuple[str, ...]] = {
     "num_query_groups": ("num_key_value_heads",),
     "num_experts": ("num_experts", "num_local_experts", "n_routed_experts"),
     "moe_topk": ("num_experts_per_tok", "moe_topk", "top_k"),
-    "hybrid_pattern": ("hybrid_override_pattern",),
     "vocab_size": ("vocab_size",),
 }
+REQUIRED = ("num_layers", "hidden_size", "num_attention_heads")
+HYBRID_ARCHITECTURES = ("NemotronHForCausalLM",)
+
+# layers_block_type entries -> Megatron's hybrid pattern symbols
+BLOCK_TYPE_SYMBOLS = {"mamba": "M", "linear_attention": "M", "moe": "E", "attention": "*",
+                      "full_attention": "*", "mlp": "-"}
+PATTERN_SYMBOLS = "ME*-"
 
 
 def read_hf_config(path: str) -> dict[str, Any] | None:
@@ -24,21 +40,121 @@ def read_hf_config(path: str) -> dict[str, Any] | None:
     if not os.path.isfile(cfg_path):
         return None
     with open(cfg_path) as f:
-        return json.load(f)
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{cfg_path} is not valid JSON: {e}") from e
+
+
+def hybrid_layers(pattern: str) -> str:
+    """The layer symbols of a hybrid pattern, without Megatron's '|' pipeline-stage separators."""
+    return pattern.replace("|", "")
+
+
+def nemotron_h_pattern(hf: dict[str, Any]) -> str:
+    """Megatron's hybrid layer pattern from a Nemotron-H config.json, in either format."""
+    pattern = hf.get("hybrid_override_pattern")
+    blocks = hf.get("layers_block_type")
+    if blocks is not None:
+        if not isinstance(blocks, list):
+            raise ValueError(f"config.json layers_block_type must be a list, got {type(blocks).__name__}")
+        unknown = sorted({str(t) for t in blocks if t not in BLOCK_TYPE_SYMBOLS})
+        if unknown:
+            raise ValueError(f"config.json layers_block_type has unknown types {unknown}; "
+                             f"known: {sorted(BLOCK_TYPE_SYMBOLS)}")
+        from_blocks = "".join(BLOCK_TYPE_SYMBOLS[t] for t in blocks)
+        if pattern and pattern != from_blocks:
+            raise ValueError(f"config.json hybrid_override_pattern={pattern!r} disagrees with "
+                             f"layers_block_type (pattern {from_blocks!r})")
+        pattern = from_blocks
+    if not pattern:
+        raise ValueError("config.json of a NemotronHForCausalLM has neither hybrid_override_pattern "
+                         "nor layers_block_type (one of them names every layer's type)")
+    bad = sorted(set(pattern) - set(PATTERN_SYMBOLS))
+    if bad:
+        raise ValueError(f"config.json hybrid_override_pattern={pattern!r} has symbols {bad}; this launcher "
+                         f"builds {list(PATTERN_SYMBOLS)} (M mamba, E MoE, * attention, - MLP)")
+    if hf.get("num_hidden_layers") not in (None, len(pattern)):
+        raise ValueError(f"config.json hybrid pattern {pattern!r} has {len(pattern)} layers but "
+                         f"num_hidden_layers={hf['num_hidden_layers']}")
+    return pattern
+
+
+def _json_float(value: Any) -> float:
+    """A float from config.json: a number, or transformers' {"__float__": "Infinity"} encoding."""
+    if isinstance(value, dict) and "__float__" in value:
+        return float(value["__float__"])
+    return float(value)
+
+
+def nemotron_h_unsupported(hf: dict[str, Any]) -> list[str]:
+    """Every Nemotron-H config.json option this launcher's Megatron builder would compute
+    differently from transformers' NemotronHForCausalLM, as "config.json KEY=VALUE is not
+    supported ...; supported: ..." messages (empty: buildable).  Pure JSON: validation calls it
+    before anything starts, the builder again before it builds."""
+    out = []
+
+    def refuse(key: str, supported: str) -> None:
+        out.append(f"config.json {key}={hf.get(key)!r} is not supported by this launcher's Nemotron-H "
+                   f"builder; supported: {supported}")
+
+    if hf.get("mlp_hidden_act", "relu2") != "relu2":
+        refuse("mlp_hidden_act", "'relu2'")
+    if hf.get("mamba_hidden_act", "silu") != "silu":
+        refuse("mamba_hidden_act", "'silu'")
+    if hf.get("moe_latent_size"):
+        refuse("moe_latent_size", "null (latent MoE, as in Nemotron-3-Super, is not built)")
+    for key in ("use_bias", "attention_bias", "mlp_bias", "mamba_proj_bias"):
+        if hf.get(key):
+            refuse(key, "false")
+    if not hf.get("use_conv_bias", True):
+        refuse("use_conv_bias", "true (Megatron's Mamba mixer always has a conv bias)")
+    if float(hf.get("layer_norm_epsilon", 1e-5)) != 1e-5:
+        refuse("layer_norm_epsilon", "1e-05 (Megatron's Mamba mixer norm fixes it)")
+    limit = hf.get("time_step_limit")
+    if limit is not None and [_json_float(v) for v in limit] != [0.0, float("inf")]:
+        refuse("time_step_limit", "[0.0, inf]")
+    if hf.get("residual_in_fp32"):
+        refuse("residual_in_fp32", "false")
+    heads, groups = hf.get("mamba_num_heads"), hf.get("n_groups", 8)
+    if heads is not None and groups and heads % groups:
+        refuse("mamba_num_heads", f"a multiple of n_groups={groups}")
+    topk = hf.get("num_experts_per_tok") or 1
+    n_group = hf.get("n_group") or 1
+    if topk > 1 and not hf.get("norm_topk_prob", True):
+        refuse("norm_topk_prob", "true (Megatron normalizes sigmoid top-k scores)")
+    if n_group > 1 and topk // (hf.get("topk_group") or 1) != 2:
+        refuse("topk_group", "num_experts_per_tok // topk_group == 2 with n_group > 1 (transformers scores "
+               "each expert group by its top-2 experts, Megatron by its top topk/topk_group)")
+    return out
 
 
 def card_from_hf_config(hf: dict[str, Any]) -> dict[str, Any]:
-    """Card fields derived from config.json: architecture and every dimension found."""
+    """Card fields derived from config.json: architecture and every dimension found.
+
+    Raises ValueError naming the key when config.json lacks what a card needs.
+    """
     out: dict[str, Any] = {}
     archs = hf.get("architectures") or []
-    if archs:
-        out["architecture"] = archs[0]
+    if not archs:
+        raise ValueError("config.json has no 'architectures' entry (e.g. [\"LlamaForCausalLM\"])")
+    out["architecture"] = archs[0]
     for card_key, hf_keys in _CARD_KEYS.items():
         for k in hf_keys:
             if hf.get(k) is not None:
                 out[card_key] = hf[k]
                 break
-    if "num_query_groups" not in out and "num_attention_heads" in out:
+    if out["architecture"] in HYBRID_ARCHITECTURES:
+        pattern = nemotron_h_pattern(hf)
+        out["hybrid_pattern"] = pattern
+        out["num_layers"] = len(pattern)
+        if "E" not in pattern:
+            out["num_experts"] = 0
+    missing = [k for k in REQUIRED if k not in out]
+    if missing:
+        raise ValueError("config.json lacks " + ", ".join(
+            f"{k} (one of {list(_CARD_KEYS[k])})" for k in missing))
+    if "num_query_groups" not in out:
         out["num_query_groups"] = out["num_attention_heads"]
     out.setdefault("num_experts", 0)
     out.setdefault("moe_topk", 0)

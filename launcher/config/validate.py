@@ -14,7 +14,9 @@ from omegaconf import DictConfig
 
 from launcher.config import schema
 from launcher.config.compose import ConfigError, recipe_names
-from launcher.config.hf_card import card_from_hf_config, read_hf_config
+from launcher.config.hf_card import (
+    HYBRID_ARCHITECTURES, PATTERN_SYMBOLS, card_from_hf_config, hybrid_layers, nemotron_h_unsupported,
+    read_hf_config)
 from launcher.topology import ParallelDims, minimal_world_size
 
 SUPPORTED_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM", "NemotronHForCausalLM")
@@ -88,17 +90,34 @@ def _check_model(cfg: DictConfig, err: _Errors, warnings: list[str], check_paths
                 f"must divide model.num_attention_heads={card.num_attention_heads}")
     if card.num_experts < 0 or (card.num_experts and not 1 <= card.moe_topk <= card.num_experts):
         err.add("model.moe_topk", card.moe_topk, f"must be in 1..model.num_experts={card.num_experts}")
-    if card.hybrid_pattern is not None and len(card.hybrid_pattern) != card.num_layers:
-        err.add("model.hybrid_pattern", card.hybrid_pattern,
-                f"has {len(card.hybrid_pattern)} layers but model.num_layers={card.num_layers}")
-    hf = read_hf_config(card.path)
+    if card.hybrid_pattern is not None:
+        layers = hybrid_layers(card.hybrid_pattern)
+        bad = sorted(set(layers) - set(PATTERN_SYMBOLS))
+        if bad:
+            err.add("model.hybrid_pattern", card.hybrid_pattern,
+                    f"has symbols {bad}; valid: {list(PATTERN_SYMBOLS)} (M mamba, E MoE, * attention, - MLP) "
+                    "and '|' between pipeline stages")
+        elif len(layers) != card.num_layers:
+            err.add("model.hybrid_pattern", card.hybrid_pattern,
+                    f"has {len(layers)} layers but model.num_layers={card.num_layers}")
+    elif card.architecture in HYBRID_ARCHITECTURES:
+        err.add("model.hybrid_pattern", None, f"{card.architecture} needs its layer pattern (config.json "
+                "hybrid_override_pattern, e.g. 'MEM*E'); set it, or use model=from_checkpoint")
+    try:
+        hf = read_hf_config(card.path)
+        derived = None if hf is None else card_from_hf_config(hf)
+    except ValueError as e:
+        err.add("model.path", card.path, str(e))
+        return
+    if hf is not None and derived.get("architecture") in HYBRID_ARCHITECTURES:
+        for problem in nemotron_h_unsupported(hf):
+            err.add("model.path", card.path, problem)
     if hf is None:
         if check_paths and not is_hub_id(card.path):
             err.add("model.path", card.path, "no config.json there (a local Hugging Face checkpoint directory)")
         elif not check_paths:
             warnings.append(f"model.path={card.path!r} not checked (check_paths off)")
         return
-    derived = card_from_hf_config(hf)
     for key, value in derived.items():
         if key == "vocab_size" and card.vocab_size is None:
             continue
@@ -154,10 +173,23 @@ def _check_parallel(cfg: DictConfig, stage: str, err: _Errors) -> None:
                     f"(valid: {', '.join(map(str, divisors(card.num_experts)))})")
     elif p.ep != 1 or p.etp != 1:
         err.add(f"{key}.ep", p.ep, f"model {card.name} is dense (no experts): ep and etp must be 1")
-    if card.num_layers % p.pp:
-        what = "the hybrid pattern's" if card.hybrid_pattern else "model.num_layers="
-        err.add(f"{key}.pp", p.pp, f"must divide {what}{card.num_layers} layers "
+    segments = card.hybrid_pattern.split("|") if card.hybrid_pattern else []
+    if len(segments) > 1:
+        # Megatron's hybrid rule: pipe-delimited segments are the stages (no virtual PP here)
+        if len(segments) != p.pp:
+            err.add(f"{key}.pp", p.pp, f"must equal the {len(segments)} '|'-delimited stages of "
+                    f"model.hybrid_pattern={card.hybrid_pattern!r}")
+        elif not all(segments):
+            err.add("model.hybrid_pattern", card.hybrid_pattern, "has an empty pipeline stage between '|'")
+    elif card.num_layers % p.pp:
+        what = "the hybrid pattern's " if card.hybrid_pattern else "model.num_layers="
+        err.add(f"{key}.pp", p.pp, f"must divide {what}{card.num_layers} layers: Megatron gives every "
+                f"pipeline stage the same number of whole layers "
                 f"(valid: {', '.join(map(str, divisors(card.num_layers)))})")
+    if card.architecture in HYBRID_ARCHITECTURES and p.tp > 1:
+        err.add(f"{key}.tp", p.tp, f"must be 1 for {card.architecture}: ModelOpt 0.47's Nemotron-H import "
+                "replicates the Mamba mixer's norm weight, which Megatron shards over TP (the weights "
+                "would not load); use ep/pp instead")
     for dim in ("num_attention_heads", "num_query_groups"):
         if card[dim] % p.tp:
             err.add(f"{key}.tp", p.tp, f"must divide model.{dim}={card[dim]} "

@@ -12,9 +12,16 @@ to, and the weight the quantized model actually computes with: ``weight_quantize
     ...mlp.shared_experts.linear_fc1 / fc2            -> model.layers.L.mlp.shared_expert.{gate,up}_proj / down_proj
     output_layer                                      -> lm_head
 
+Nemotron-H (Megatron's HybridModel) has one mixer per layer, under ``backbone.layers.L.mixer``:
+
+    Mamba    mixer.in_proj / mixer.out_proj                 -> ...mixer.in_proj / out_proj
+    attention self_attention.linear_qkv / linear_proj       -> ...mixer.{q,k,v}_proj / o_proj
+    MoE      mlp.experts.local_experts.j.linear_fc1 / fc2   -> ...mixer.experts.E.up_proj / down_proj
+             mlp.shared_experts.linear_fc1 / fc2            -> ...mixer.shared_experts.up_proj / down_proj
+    MLP      mlp.linear_fc1 / linear_fc2                    -> ...mixer.up_proj / down_proj
+
 L = layer.layer_number - 1 (global, whatever the PP stage); E = the expert's global index.
 The mapping is this module's own reading of the HF layout, independent of ModelOpt's rule book.
-Hybrid (Nemotron-H) models are not mapped: ``linear_modules`` raises ValueError for them.
 """
 from __future__ import annotations
 
@@ -25,7 +32,7 @@ from typing import Callable
 @dataclass
 class MappedLinear:
     hf_names: tuple            # HF module names the weight splits into, in split order
-    kind: str                  # attention | expert | dense_mlp | shared_expert | output
+    kind: str                  # attention | expert | dense_mlp | shared_expert | mamba | output
     module: object             # the Megatron linear
     split: Callable            # fused weight [out, in] -> tuple of tensors (one per hf name)
 
@@ -72,35 +79,62 @@ def _mlp_linears(mlp, prefix: str, kind: str) -> list[MappedLinear]:
     return out
 
 
+def _attention_linears(attn, prefix: str) -> list[MappedLinear]:
+    return [MappedLinear((f"{prefix}.q_proj", f"{prefix}.k_proj", f"{prefix}.v_proj"), "attention",
+                         attn.linear_qkv, _qkv_splitter(attn.config)),
+            MappedLinear((f"{prefix}.o_proj",), "attention", attn.linear_proj, _single)]
+
+
+def _ffn_linears(mlp, prefix: str, shared_name: str) -> list[MappedLinear]:
+    """A dense MLP, or a MoE layer's experts (and shared expert), under the HF ``prefix``."""
+    experts = getattr(mlp, "experts", None)
+    if experts is None:
+        return _mlp_linears(mlp, prefix, "dense_mlp")
+    local = getattr(experts, "local_experts", None)
+    if local is None:
+        raise ValueError(f"{prefix}: grouped-GEMM experts ({type(experts).__name__}) are not mapped; "
+                         "build the model with moe_grouped_gemm=False")
+    out = []
+    indices = mlp.local_expert_indices
+    for j, expert in enumerate(local):
+        out.extend(_mlp_linears(expert, f"{prefix}.experts.{indices[j]}", "expert"))
+    shared = getattr(mlp, "shared_experts", None)
+    if shared is not None:
+        out.extend(_mlp_linears(shared, f"{prefix}.{shared_name}", "shared_expert"))
+    return out
+
+
+def _hybrid_layer_linears(layer, base: str) -> list[MappedLinear]:
+    mixer = f"{base}.mixer"
+    if type(layer).__name__ == "MambaLayer":
+        return [MappedLinear((f"{mixer}.in_proj",), "mamba", layer.mixer.in_proj, _single),
+                MappedLinear((f"{mixer}.out_proj",), "mamba", layer.mixer.out_proj, _single)]
+    attn = getattr(layer, "self_attention", None)
+    if attn is not None and type(attn).__name__ != "IdentityOp":
+        return _attention_linears(attn, mixer)
+    mlp = getattr(layer, "mlp", None)
+    if mlp is not None and type(mlp).__name__ != "IdentityOp":
+        return _ffn_linears(mlp, mixer, "shared_experts")
+    raise ValueError(f"{base}: layer {type(layer).__name__} has no mixer that is mapped to HF names")
+
+
 def linear_modules(model) -> list[MappedLinear]:
-    """Every mapped linear of this rank's stage of ``model`` (a GPTModel or a wrapper of one)."""
+    """Every mapped linear of this rank's stage of ``model`` (a GPTModel or HybridModel, or a
+    wrapper of one)."""
     from launcher.megatron.models import unwrap_model
 
     inner = unwrap_model(model)
-    if not hasattr(inner, "decoder") or type(inner).__name__ != "GPTModel":
-        raise ValueError(f"{type(inner).__name__}: only GPTModel layouts are mapped to HF names")
+    kind = type(inner).__name__
+    if not hasattr(inner, "decoder") or kind not in ("GPTModel", "HybridModel"):
+        raise ValueError(f"{kind}: only GPTModel and HybridModel layouts are mapped to HF names")
     out: list[MappedLinear] = []
     for layer in inner.decoder.layers:
-        base = f"model.layers.{layer.layer_number - 1}"
-        attn = layer.self_attention
-        out.append(MappedLinear((f"{base}.self_attn.q_proj", f"{base}.self_attn.k_proj", f"{base}.self_attn.v_proj"),
-                                "attention", attn.linear_qkv, _qkv_splitter(attn.config)))
-        out.append(MappedLinear((f"{base}.self_attn.o_proj",), "attention", attn.linear_proj, _single))
-        mlp = layer.mlp
-        experts = getattr(mlp, "experts", None)
-        if experts is None:
-            out.extend(_mlp_linears(mlp, f"{base}.mlp", "dense_mlp"))
+        if kind == "HybridModel":
+            out.extend(_hybrid_layer_linears(layer, f"backbone.layers.{layer.layer_number - 1}"))
             continue
-        local = getattr(experts, "local_experts", None)
-        if local is None:
-            raise ValueError(f"{base}: grouped-GEMM experts ({type(experts).__name__}) are not mapped; "
-                             "build the model with moe_grouped_gemm=False")
-        indices = mlp.local_expert_indices
-        for j, expert in enumerate(local):
-            out.extend(_mlp_linears(expert, f"{base}.mlp.experts.{indices[j]}", "expert"))
-        shared = getattr(mlp, "shared_experts", None)
-        if shared is not None:
-            out.extend(_mlp_linears(shared, f"{base}.mlp.shared_expert", "shared_expert"))
+        base = f"model.layers.{layer.layer_number - 1}"
+        out.extend(_attention_linears(layer.self_attention, f"{base}.self_attn"))
+        out.extend(_ffn_linears(layer.mlp, f"{base}.mlp", "shared_expert"))
     output = getattr(inner, "output_layer", None)
     if output is not None and getattr(inner, "post_process", False) and not inner.share_embeddings_and_output_weights:
         out.append(MappedLinear(("lm_head",), "output", output, _single))
@@ -112,24 +146,41 @@ def quantized_hf_modules(model) -> set[str]:
     return {n for m in linear_modules(model) if m.weight_quantized for n in m.hf_names}
 
 
+# hybrid pattern symbol -> the linear kinds its layers hold
+PATTERN_KINDS = {"M": ("mamba",), "*": ("attention",), "E": ("expert", "shared_expert"), "-": ("dense_mlp",)}
+SAMPLED_KINDS = ("attention", "expert", "dense_mlp", "shared_expert", "mamba")
+
+
+def layers_by_kind(num_layers: int, hybrid_pattern: str | None = None) -> dict[str, list[int]]:
+    """Global layer indices holding each linear kind: every layer for GPT models (attention and
+    an MLP or MoE in each), the pattern's layers for hybrid models."""
+    if not hybrid_pattern:
+        return {kind: list(range(num_layers)) for kind in SAMPLED_KINDS}
+    symbols = hybrid_pattern.replace("|", "")
+    return {kind: [i for i, c in enumerate(symbols) if kind in PATTERN_KINDS.get(c, ())]
+            for kind in SAMPLED_KINDS}
+
+
 def select_samples(linears: list[MappedLinear], per_kind: int, num_layers: int,
-                   num_experts: int = 0) -> list[MappedLinear]:
+                   num_experts: int = 0, hybrid_pattern: str | None = None) -> list[MappedLinear]:
     """``per_kind`` linears of each kind, spread over the layers, chosen identically on every rank.
 
-    The choice depends only on global names (layer number, expert index), so ranks holding
-    different PP stages pick disjoint parts of one global sample without communicating.
+    The choice depends only on global names (layer number, expert index) and the model card
+    (its hybrid pattern says which layers hold which kind), so ranks holding different PP
+    stages pick disjoint parts of one global sample without communicating.
     """
     import re
 
-    wanted = set()
-    for p in range(per_kind):
-        layer = (p * num_layers) // max(per_kind, 1) + (num_layers // max(per_kind, 1)) // 2
-        wanted.add((layer % num_layers, p))
     chosen = []
-    for kind in ("attention", "expert", "dense_mlp", "shared_expert"):
+    for kind, kind_layers in layers_by_kind(num_layers, hybrid_pattern).items():
+        if not kind_layers:
+            continue
+        n = len(kind_layers)
+        wanted = sorted({(kind_layers[((p * n) // max(per_kind, 1) + (n // max(per_kind, 1)) // 2) % n], p)
+                         for p in range(per_kind)})
         of_kind = [m for m in linears if m.kind == kind]
-        for layer, p in sorted(wanted):
-            in_layer = [m for m in of_kind if re.match(rf"model\.layers\.{layer}\.", m.hf_names[0])]
+        for layer, p in wanted:
+            in_layer = [m for m in of_kind if re.search(rf"(?:^|\.)layers\.{layer}\.", m.hf_names[0])]
             if not in_layer:
                 continue
             if kind == "expert":

@@ -106,5 +106,5 @@ def load_tensors(directory: str, names, where: dict[str, TensorInfo]):
     for fname, keys in by_file.items():
         with safe_open(os.path.join(directory, fname), framework="pt", device="cpu") as f:
             for k in keys:
-                out[k] = f.get_tensor(k)
+                out[k] = f.get_tensor(where[k].name)   # the stored name (callers may key by an alias)
     return out

@@ -70,7 +70,7 @@ def verify_export(export_dir: str, fmt: str, *, source_dir: Optional[str] = None
             findings.error(f"config.json says {what}={exported} but the model card says {card}")
     num_layers = num_layers if num_layers is not None else cfg_layers
     num_experts = num_experts if num_experts is not None else cfg_experts
-    source = checkpoint_tensor_names(source_dir) if source_dir else None
+    source = layout.source_under_export_names(checkpoint_tensor_names(source_dir), tensors) if source_dir else None
     kinds = layout.check_tensors(tensors, fmt, excludes, findings, expected_dtype=expected_dtype,
                                  quantized_modules=quantized_modules, source=source,
                                  weight_only=algo in layout.WEIGHT_ONLY_ALGOS)

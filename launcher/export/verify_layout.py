@@ -226,6 +226,7 @@ def check_tensors(tensors: dict[str, TensorInfo], fmt: str, excludes: list[str],
     Returns module -> "quantized" | "excluded" | "high_precision".
     """
     kinds = {}
+    unlisted: list[str] = []
     for module, leaves in sorted(group_modules(tensors).items()):
         if "weight" not in leaves:
             stray = sorted(set(leaves) & set(SCALE_LEAVES))
@@ -246,15 +247,19 @@ def check_tensors(tensors: dict[str, TensorInfo], fmt: str, excludes: list[str],
             findings.error(f"{module} is listed in exclude_modules but its weight is quantized ({w.dtype})")
         elif has_q and not expected_q:
             findings.error(f"{module}.weight is quantized ({w.dtype}) but the model did not quantize {module}")
-        elif expected_q and not has_q:
+        elif expected_q and not has_q and quantized_modules is not None:
             findings.error(f"{module}.weight stayed {w.dtype}: the recipe quantized {module} ({fmt}) but the "
                            f"export holds no quantized weight for it")
+        elif expected_q and not has_q:
+            unlisted.append(module)   # no Megatron authority: unquantized, and not declared so
         if has_q and fmt != "none":
             check_quantized_module(module, leaves, fmt, findings, src.shape if src is not None else None,
                                    weight_only)
             kinds[module] = "quantized"
             continue
         kinds[module] = "excluded" if excluded else "high_precision"
+        if fmt != "none" and linear and not excluded and quantized_modules is not None and not has_q:
+            unlisted.append(module)
         for leaf, info in leaves.items():
             if leaf in SCALE_LEAVES:
                 findings.error(f"{module}.{leaf} exists but {module}.weight is not quantized")
@@ -263,9 +268,28 @@ def check_tensors(tensors: dict[str, TensorInfo], fmt: str, excludes: list[str],
                                f"{list(HIGH_PRECISION)}")
             elif expected_dtype is not None and info.dtype != expected_dtype and leaf not in KV_SCALE_LEAVES:
                 findings.error(f"{module}.{leaf} has dtype {info.dtype}, expected the export dtype {expected_dtype}")
+    # a server quantizes every linear that exclude_modules does not name (vLLM reads it as the
+    # ignore list): an unquantized linear missing from it would be loaded as quantized
+    findings.errors_named(f"{{}} is an unquantized linear but hf_quant_config.json exclude_modules does not "
+                          f"name it: a server would load it as {fmt}", unlisted)
     counts = {k: sum(1 for v in kinds.values() if v == k) for k in ("quantized", "excluded", "high_precision")}
     findings.checks["modules"] = counts
     return kinds
+
+
+def source_under_export_names(source: dict[str, TensorInfo], tensors: dict[str, TensorInfo]) -> dict[str, TensorInfo]:
+    """The source's tensors keyed by the names the export gives them.  A checkpoint may spell a
+    tensor differently from ModelOpt's exporter (``modelopt_fixes.TENSOR_NAME_ALIASES``: e.g.
+    transformers 5 saves Nemotron-H's ``backbone.embedding.weight``, the exporter writes the hub's
+    ``backbone.embeddings.weight``); TensorInfo.name keeps the stored name for reading."""
+    from launcher.megatron.modelopt_fixes import TENSOR_NAME_ALIASES
+
+    out = dict(source)
+    for canonical, aliases in TENSOR_NAME_ALIASES.items():
+        for alias in aliases:
+            if alias in out and canonical not in out and canonical in tensors and alias not in tensors:
+                out[canonical] = out.pop(alias)
+    return out
 
 
 def check_names_vs_source(tensors: dict[str, TensorInfo], source: dict[str, TensorInfo], fmt: str,
@@ -315,6 +339,8 @@ def check_tied_embeddings(config: dict, tensors: dict[str, TensorInfo], findings
 
 
 def model_dims(config: dict) -> tuple[Optional[int], int]:
+    """(layers, experts) a config.json states; Nemotron-H's from its layer pattern in either
+    format (transformers 5 writes layers_block_type and no num_hidden_layers)."""
     text = config.get("text_config") or config
     layers = text.get("num_hidden_layers")
     experts = 0
@@ -322,6 +348,12 @@ def model_dims(config: dict) -> tuple[Optional[int], int]:
         if text.get(key):
             experts = int(text[key])
             break
+    if text.get("layers_block_type") or text.get("hybrid_override_pattern"):
+        from launcher.config.hf_card import nemotron_h_pattern
+
+        pattern = nemotron_h_pattern(text)
+        layers = len(pattern)
+        experts = experts if "E" in pattern else 0
     return layers, experts
 
 

@@ -37,6 +37,15 @@ CPU probes, ../shared/notes/cpu-megatron.md):
     SmolLM2, dense Qwen3) every rank fails in ``GPTModel.__init__`` with "Torch not compiled
     with CUDA enabled".  On CPU the original runs with that block skipped, then the same
     all-reduce runs on the CPU tensor.
+``mamba_reference_kernels``
+    Megatron's Mamba mixer calls mamba_ssm's triton kernels for the Mamba-2 chunked scan
+    (``mamba_chunk_scan_combined``) and the gated RMSNorm (``layernorm_gated.rmsnorm_fn``); triton
+    has no CPU backend ("0 active drivers").  CPU tensors are routed through mamba_ssm's own
+    pure-torch references (``ssd_chunk_scan_combined_ref``, ``rms_norm_ref``), with the sequence
+    zero-padded to a whole number of chunks (the reference needs it; the scan is causal, so the
+    padding changes nothing before it) and cut back after.  Only the arguments the mixer's
+    prefill path passes are supported; anything else raises.  Skipped when mamba_ssm is not
+    installed (no hybrid model can be built then).
 
 ``seed_megatron_rng_cpu`` (not a patch; ``launcher.megatron.dist`` calls it on CPU)
     Seeds Megatron's model-parallel RNG tracker with
@@ -186,6 +195,61 @@ def _patch_tied_embeddings_pp(torch) -> None:
     LanguageModule.setup_embeddings_and_output_layer = setup_embeddings_and_output_layer
 
 
+def _patch_mamba_reference_kernels(torch) -> None:
+    from launcher.megatron.mamba_ssm_compat import ensure_mamba_ssm_importable
+
+    if ensure_mamba_ssm_importable() == "absent":
+        return
+    import megatron.core.ssm.mamba_mixer as mixer
+
+    if not mixer.HAVE_MAMBA_SSM:
+        return
+    import torch.nn.functional as F
+    from mamba_ssm.ops.triton import layernorm_gated
+    from mamba_ssm.ops.triton.ssd_combined import ssd_chunk_scan_combined_ref
+
+    scan_kernel = mixer.mamba_chunk_scan_combined
+    norm_kernel = layernorm_gated.rmsnorm_fn
+
+    def chunk_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
+                   seq_idx=None, cu_seqlens=None, dt_softplus=False, dt_limit=(0.0, float("inf")),
+                   return_final_states=False, return_varlen_states=False, **kwargs):
+        if x.is_cuda:
+            return scan_kernel(x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias,
+                               initial_states=initial_states, seq_idx=seq_idx, cu_seqlens=cu_seqlens,
+                               dt_softplus=dt_softplus, dt_limit=dt_limit,
+                               return_final_states=return_final_states,
+                               return_varlen_states=return_varlen_states, **kwargs)
+        unsupported = {"initial_states": initial_states is not None, "seq_idx": seq_idx is not None,
+                       "cu_seqlens": cu_seqlens is not None, "return_final_states": return_final_states,
+                       "return_varlen_states": return_varlen_states,
+                       "dt_limit": tuple(dt_limit) != (0.0, float("inf")), **{k: True for k in kwargs}}
+        if any(unsupported.values()):
+            raise NotImplementedError(f"CPU Mamba scan (reference kernel) does not support "
+                                      f"{sorted(k for k, v in unsupported.items() if v)}")
+        seqlen = x.shape[1]
+        pad = (-seqlen) % chunk_size
+
+        def padded(t):
+            return None if t is None or not pad else F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad))
+
+        if pad:
+            x, dt, B, C, z = padded(x), padded(dt), padded(B), padded(C), padded(z)
+        out = ssd_chunk_scan_combined_ref(x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias,
+                                          dt_softplus=dt_softplus)
+        return out[:, :seqlen]
+
+    def rmsnorm_fn(x, weight, bias, z=None, eps=1e-6, group_size=None, norm_before_gate=True):
+        if x.is_cuda:
+            return norm_kernel(x, weight, bias, z=z, eps=eps, group_size=group_size,
+                               norm_before_gate=norm_before_gate)
+        return layernorm_gated.rms_norm_ref(x, weight, bias, z=z, eps=eps, group_size=group_size,
+                                            norm_before_gate=norm_before_gate)
+
+    mixer.mamba_chunk_scan_combined = chunk_scan
+    layernorm_gated.rmsnorm_fn = rmsnorm_fn
+
+
 SHIMS = {
     "current_device": _patch_current_device,
     "streams": _patch_streams,
@@ -193,6 +257,7 @@ SHIMS = {
     "pipeline_schedules": _patch_pipeline_schedules,
     "nvfp4_dynamic_block_quant": _patch_nvfp4_dynamic_block_quant,
     "tied_embeddings_pp": _patch_tied_embeddings_pp,
+    "mamba_reference_kernels": _patch_mamba_reference_kernels,
 }
 
 

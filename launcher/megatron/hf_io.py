@@ -27,6 +27,7 @@ def import_hf_weights(model, hf_path: str, dtype="bfloat16") -> None:
     """Load the HF safetensors at ``hf_path`` into this rank's shard of ``model`` (all ranks call)."""
     from modelopt.torch.export import import_mcore_gpt_from_hf
 
+    apply_modelopt_fixes()
     device = "cuda" if next(model.parameters()).is_cuda else "cpu"
     import_mcore_gpt_from_hf(unwrap_model(model), hf_path, dtype=resolve_dtype(dtype, device))
 

@@ -1,4 +1,4 @@
-"""Fixes for nvidia-modelopt bugs that change exported values (every device, not CPU shims).
+"""Fixes for nvidia-modelopt bugs (every device, not CPU shims), each registered in ``FIXES``.
 
 ``fp8_export_single_rounding`` - ModelOpt 0.47's Megatron exporter
 (``modelopt.torch.export.unified_export_megatron``) casts each weight to the export dtype
@@ -21,6 +21,14 @@ weight to fp32 before the division - the single rounding the fake quant uses.  C
 project export in fp32 and were never affected.  ``tests/test_modelopt_fixes.py`` asserts the bug
 is still present in the installed ModelOpt, so an upstream fix shows up as a failing test that
 says to delete this module.
+
+``nemotron_h_embedding_name`` - ModelOpt 0.47's Nemotron-H import mapping reads the embedding as
+``backbone.embeddings.weight`` (the hub's Nemotron-3 checkpoints), but transformers >= 5's
+``save_pretrained`` writes ``backbone.embedding.weight`` (its conversion table maps both names
+on load; ModelOpt's importer knows one): ``import_mcore_gpt_from_hf`` then fails with "Key
+[backbone.embeddings.weight] does not exist!".  The fix makes the importer's tensor lookup try
+the other spelling of exactly that key when the first is absent.  ``tests/test_modelopt_fixes.py``
+checks the installed ModelOpt still fails without it.
 """
 from __future__ import annotations
 
@@ -44,7 +52,32 @@ def _fp8_export_single_rounding() -> None:
     exporter.to_quantized_weight = to_quantized_weight
 
 
-FIXES = {"fp8_export_single_rounding": _fp8_export_single_rounding}
+# key ModelOpt asks for -> the other spellings a checkpoint may use for it
+TENSOR_NAME_ALIASES = {"backbone.embeddings.weight": ("backbone.embedding.weight",)}
+
+
+def _nemotron_h_embedding_name() -> None:
+    import modelopt.torch.export.plugins.megatron_importer as importer
+
+    original = importer.get_safetensor
+
+    def get_safetensor(pretrained_model_path, key, *args, **kwargs):
+        try:
+            return original(pretrained_model_path, key, *args, **kwargs)
+        except ValueError:
+            for alias in TENSOR_NAME_ALIASES.get(key, ()):
+                try:
+                    return original(pretrained_model_path, alias, *args, **kwargs)
+                except ValueError:
+                    continue
+            raise
+
+    get_safetensor.__wrapped__ = original
+    importer.get_safetensor = get_safetensor
+
+
+FIXES = {"fp8_export_single_rounding": _fp8_export_single_rounding,
+         "nemotron_h_embedding_name": _nemotron_h_embedding_name}
 
 
 def apply_modelopt_fixes() -> list[str]:

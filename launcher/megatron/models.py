@@ -1,8 +1,8 @@
 """HF checkpoint config.json -> Megatron-Core model (this rank's pipeline stage, eval mode).
 
 Every dimension comes from the checkpoint's config.json.  GPT-style architectures
-(Qwen3-MoE, Qwen3, Llama) build a ``GPTModel``; Nemotron-H builds the hybrid Mamba model and
-needs CUDA + mamba_ssm.  On CPU the model is fp32; on CUDA it is built in the requested dtype
+(Qwen3-MoE, Qwen3, Llama) build a ``GPTModel``; Nemotron-H builds Megatron's ``HybridModel``
+(Mamba-2 + attention + MoE, ``launcher.megatron.hybrid_spec``; needs mamba_ssm, not TE).  On CPU the model is fp32; on CUDA it is built in the requested dtype
 and, for bf16/fp16, wrapped in Megatron's ``Float16Module`` (a bare bf16 GPTModel fails with
 "mat1 and mat2 must have the same dtype").  Use ``unwrap_model`` to reach the GPTModel that
 ModelOpt's import/export/quantize and dist-checkpointing operate on.
@@ -56,14 +56,6 @@ def resolve_dtype(dtype: "str | torch.dtype", device: str) -> "torch.dtype":
 def transformer_engine_available() -> bool:
     try:
         import transformer_engine  # noqa: F401
-    except Exception:
-        return False
-    return True
-
-
-def mamba_ssm_available() -> bool:
-    try:
-        import mamba_ssm  # noqa: F401
     except Exception:
         return False
     return True
@@ -209,41 +201,27 @@ def _build_gpt(arch: str, hf: dict[str, Any], dims: "ParallelDims", device: str,
     return model
 
 
-_BLOCK_TYPE_SYMBOLS = {"mamba": "M", "linear_attention": "M", "moe": "E", "attention": "*",
-                       "full_attention": "*", "mlp": "-"}
-
-
-def nemotron_h_pattern(hf: dict[str, Any]) -> str:
-    """Megatron's hybrid layer pattern (M mamba, E MoE, * attention, - MLP) from config.json."""
-    pattern = hf.get("hybrid_override_pattern")
-    if not pattern and hf.get("layers_block_type"):
-        unknown = sorted({t for t in hf["layers_block_type"] if t not in _BLOCK_TYPE_SYMBOLS})
-        if unknown:
-            raise ValueError(f"config.json layers_block_type has unknown types {unknown}; "
-                             f"known: {sorted(_BLOCK_TYPE_SYMBOLS)}")
-        pattern = "".join(_BLOCK_TYPE_SYMBOLS[t] for t in hf["layers_block_type"])
-    if not pattern:
-        raise ValueError("config.json of a NemotronHForCausalLM has neither hybrid_override_pattern "
-                         "nor layers_block_type")
-    if hf.get("num_hidden_layers") not in (None, len(pattern)):
-        raise ValueError(f"hybrid pattern {pattern!r} has {len(pattern)} layers but num_hidden_layers="
-                         f"{hf['num_hidden_layers']}")
-    return pattern
-
-
 def _nemotron_h_config_kwargs(hf: dict[str, Any]) -> dict[str, Any]:
-    """TransformerConfig keyword arguments for Nemotron-H (architecture part only)."""
+    """TransformerConfig keyword arguments for Nemotron-H (architecture part only).
+
+    Every option that Megatron's hybrid model computes differently from transformers'
+    ``NemotronHForCausalLM`` is refused (``hf_card.nemotron_h_unsupported``), naming the key.
+    """
     import torch.nn.functional as F
 
-    if hf.get("mlp_hidden_act", "relu2") != "relu2":
-        raise ValueError(f"mlp_hidden_act={hf.get('mlp_hidden_act')!r} is not supported; supported: ['relu2']")
-    if hf.get("moe_latent_size"):
-        raise ValueError("moe_latent_size (latent MoE) is not supported by this launcher's model builder")
+    from launcher.config.hf_card import nemotron_h_pattern, nemotron_h_unsupported
+
+    problems = nemotron_h_unsupported(hf)
+    if problems:
+        raise ValueError("; ".join(problems))
     pattern = nemotron_h_pattern(hf)
 
     def squared_relu(x):
         return F.relu(x) ** 2
 
+    heads = hf.get("mamba_num_heads")
+    head_dim = hf.get("mamba_head_dim", 64)
+    groups = hf.get("n_groups", 8)
     kw = dict(
         num_layers=len(pattern),
         **_attention_kwargs(hf),
@@ -251,49 +229,54 @@ def _nemotron_h_config_kwargs(hf: dict[str, Any]) -> dict[str, Any]:
         normalization="RMSNorm",
         gated_linear_unit=False,
         activation_func=squared_relu,
-        add_bias_linear=bool(hf.get("use_bias", False)),
+        add_bias_linear=False,
         is_hybrid_model=True,
-        mamba_num_heads=hf.get("mamba_num_heads"),
-        mamba_head_dim=hf.get("mamba_head_dim", 64),
+        mamba_num_heads=heads,
+        mamba_head_dim=head_dim,
         mamba_state_dim=hf.get("ssm_state_size", 128),
-        mamba_num_groups=hf.get("n_groups", 8),
+        mamba_num_groups=groups,
+        # the prefill path: one scan kernel (mamba_chunk_scan_combined) + a plain conv1d, on
+        # every device; the memory-efficient path fuses them for training only
+        use_mamba_mem_eff_path=False,
     )
     if "E" in pattern:
-        shared = hf.get("moe_shared_expert_intermediate_size")
-        n_shared = hf.get("n_shared_experts", 1)
-        groups = hf.get("n_group") or 1
+        topk = hf["num_experts_per_tok"]
+        n_group = hf.get("n_group") or 1
         kw.update(
             num_moe_experts=hf["n_routed_experts"],
-            moe_router_topk=hf["num_experts_per_tok"],
+            moe_router_topk=topk,
             moe_ffn_hidden_size=hf["moe_intermediate_size"],
-            moe_shared_expert_intermediate_size=shared * n_shared if shared and n_shared else None,
+            # transformers builds one shared MLP of moe_shared_expert_intermediate_size
+            moe_shared_expert_intermediate_size=hf.get("moe_shared_expert_intermediate_size") or None,
             moe_router_score_function="sigmoid",
             moe_router_enable_expert_bias=True,
             moe_router_topk_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
             moe_router_pre_softmax=False,
         )
-        if groups > 1:
-            kw.update(moe_router_num_groups=groups, moe_router_group_topk=hf.get("topk_group"))
+        if n_group > 1:
+            kw.update(moe_router_num_groups=n_group, moe_router_group_topk=hf.get("topk_group"))
     return kw
 
 
 def _build_nemotron_h(hf: dict[str, Any], dims: "ParallelDims", device: str, dtype, dispatcher: str):
-    """Nemotron-H hybrid (Mamba + attention + MoE) model.  GPU + mamba_ssm only; not exercised here."""
+    """Nemotron-H hybrid (Mamba-2 + attention + MoE): Megatron's HybridModel, no TE needed."""
     from megatron.core import parallel_state
     from megatron.core.models.hybrid.hybrid_model import HybridModel
-    from megatron.core.post_training.modelopt.hybrid.model_specs import get_hybrid_stack_modelopt_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from launcher.config.hf_card import nemotron_h_pattern
+    from launcher.megatron.hybrid_spec import nemotron_h_stack_spec
 
     kw = {**_runtime_kwargs(device, dtype, dims, dispatcher), **_nemotron_h_config_kwargs(hf)}
     if "num_moe_experts" not in kw:
         for key in [k for k in kw if k.startswith("moe_")]:
             del kw[key]
     config = TransformerConfig(**kw)
+    spec = nemotron_h_stack_spec(use_te=transformer_engine_available(),
+                                 conv_kernel=hf.get("conv_kernel", 4), chunk_size=hf.get("chunk_size", 128))
     return HybridModel(
         config=config,
-        # ModelOpt's PTQ spec: local linears (one quantizer each), TE attention only where TE imports
-        hybrid_stack_spec=get_hybrid_stack_modelopt_spec(
-            local_core_attention=not transformer_engine_available(), use_default_te_spec=False),
+        hybrid_stack_spec=spec,
         vocab_size=hf["vocab_size"],
         max_sequence_length=hf.get("max_position_embeddings", 4096),
         hybrid_layer_pattern=nemotron_h_pattern(hf),
@@ -301,19 +284,19 @@ def _build_nemotron_h(hf: dict[str, Any], dims: "ParallelDims", device: str, dty
         post_process=parallel_state.is_pipeline_last_stage(),
         parallel_output=False,
         share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", False)),
-        position_embedding_type="none",
+        position_embedding_type="none",   # Nemotron-H attention has no positional encoding
     )
 
 
 def check_buildable(hf_path: str, device: str) -> str:
-    """The architecture, or a ValueError when it cannot be built on ``device`` (no torch import)."""
+    """The architecture, or a ValueError when it cannot be built on ``device``."""
     arch = architecture_of(read_hf_config(hf_path))
     if arch in HYBRID_ARCHITECTURES:
-        if device != "cuda":
-            raise ValueError(f"{arch} (hybrid Mamba) needs device='cuda': mamba_ssm has only CUDA kernels; "
-                             f"on CPU a {arch} pipeline can be validated and planned, not run")
-        if not mamba_ssm_available():
-            raise ValueError(f"{arch} (hybrid Mamba) needs the mamba_ssm package, which does not import here")
+        from launcher.megatron.mamba_ssm_compat import megatron_mamba_status
+
+        usable, reason = megatron_mamba_status()
+        if not usable:
+            raise ValueError(f"{arch} (hybrid Mamba) cannot be built here: {reason}")
     return arch
 
 

@@ -58,6 +58,7 @@ def quantizer_format(quantizer) -> str:
 
 
 _LAYER = re.compile(r"^(.*?layers\.)(\d+)(?=\.|$)")
+_INDEX = re.compile(r"\.\d+(?=\.|$)")
 _EXPERT = re.compile(r"^(.*?\.experts\.local_experts\.)(\d+)(?=\.|$)")
 
 
@@ -161,6 +162,11 @@ def summarize(quantizers: list[dict[str, Any]], modules: dict[str, str]) -> dict
         if q["enabled"]:
             key = f"{q['role']}:{q['format']}"
             entry[key] = entry.get(key, 0) + 1
+    named: dict[str, dict[str, list[int]]] = {}
+    for name, kind in sorted(modules.items()):
+        counts = named.setdefault(kind, {}).setdefault(_INDEX.sub(".*", name), [0, 0])
+        counts[0] += int(name in weight_quantized)
+        counts[1] += 1
     experts = sorted(n for n, k in modules.items() if k == "experts")
     unquantized_experts = [m for m in experts if m not in weight_quantized]
     return {
@@ -168,6 +174,8 @@ def summarize(quantizers: list[dict[str, Any]], modules: dict[str, str]) -> dict
         "quantizers_enabled": len(enabled),
         "enabled_by_format": dict(sorted(by_format.items())),
         "by_module_kind": dict(sorted(by_kind.items())),
+        # per kind, each linear by name with its layer/expert indices as "*": [weight-quantized, total]
+        "weight_quantized_by_name": named,
         "expert_linears": len(experts),
         "expert_linears_weight_quantized": len(experts) - len(unquantized_experts),
         "unquantized_expert_linears": unquantized_experts,

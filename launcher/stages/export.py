@@ -65,7 +65,7 @@ def _on_rank0(ctx: StageContext, fn, group=None):
 
 def _references(ctx: StageContext, model, fmt: str, export_dir: str):
     """(this rank's dequant-vs-Megatron results, HF names of modules it quantized), or
-    (None, reason) when the model's layout has no HF name mapping (hybrid models)."""
+    (None, reason) when the model's layout has no HF name mapping."""
     from megatron.core import parallel_state as ps
 
     from launcher.export.megatron_ref import (
@@ -81,7 +81,7 @@ def _references(ctx: StageContext, model, fmt: str, export_dir: str):
         return [], quantized
     card = ctx.cfg.model
     chosen = select_samples(linears, int(ctx.stage_cfg.verify_samples), int(card.num_layers),
-                            int(card.num_experts or 0))
+                            int(card.num_experts or 0), card.hybrid_pattern)
     try:
         return compare_references(export_dir, fake_quantized_references(chosen), fmt), quantized
     except Exception as e:  # noqa: BLE001 - becomes a verification error, not a hang

@@ -127,6 +127,8 @@ def run(ctx: StageContext) -> None:
     ctx.log(f"quantizers enabled {summary['quantizers_enabled']}/{summary['quantizers_total']} "
             f"{summary['enabled_by_format']}; expert linears weight-quantized "
             f"{summary['expert_linears_weight_quantized']}/{summary['expert_linears']}")
+    for kind, names in summary["weight_quantized_by_name"].items():
+        ctx.log(f"  {kind}: " + ", ".join(f"{n} {q}/{t}" for n, (q, t) in names.items()))
     if problems:
         raise StageFailed("quantize checks failed: " + "; ".join(problems))
 

@@ -133,7 +133,7 @@ def _capability(ctx: StageContext, model_dir: str) -> tuple[dict, capability.Qua
     python = vllm_python(ctx.stage_cfg.python)
     t0 = time.monotonic()
     platform = probe_platform(python)
-    ok, reason = capability.decide(quant, platform)
+    ok, reason = capability.decide(quant, platform, capability.read_model_info(model_dir))
     ctx.log(f"export {model_dir}: {quant.describe()}; vLLM: {python} -> {reason}")
     return {"ok": ok, "reason": reason, "forced": bool(ctx.stage_cfg.force),
             "quantization": quant.describe(), "python": python,

@@ -1,6 +1,10 @@
-"""Build (or reuse) the tiny Qwen3-MoE model, its MMLU-format task and calibration text.
+"""Build (or reuse) a tiny model, its MMLU-format task and calibration text.
 
-Layout of a build directory (default `<cache_dir()>/tiny/Qwen3-MoE-tiny/`):
+Two tiny models (``TINY_MODELS``): the embedded default ``Qwen3-MoE-tiny`` and the Nemotron-H
+hybrid ``NemotronH-MoE-tiny`` (Mamba-2 + MoE with a shared expert + attention, shaped like
+Nemotron-3-Nano).  Both learn the same synthetic task from the same tokenizer recipe.
+
+Layout of a build directory (default `<cache_dir()>/tiny/<name>/`):
 
     hf/           HF checkpoint (config.json, model.safetensors, fp32) + tokenizer files
     mmlu/         test.jsonl, dev.jsonl (cais/mmlu schema) and data/{test,dev}/<subject>_<split>.csv
@@ -31,6 +35,14 @@ from typing import Callable, Iterator
 from launcher.tiny.train import Recipe
 
 MODEL_NAME = "Qwen3-MoE-tiny"
+NEMOTRON_H_NAME = "NemotronH-MoE-tiny"
+TINY_MODELS: dict[str, Recipe] = {
+    MODEL_NAME: Recipe(),
+    # 8 layers MEM*EMEM: 4 Mamba-2 (8 heads of 32 in 2 groups, state 16), 3 MoE (8 experts top-2
+    # + a shared expert, relu2), 1 attention (4 heads, 2 KV, no positions)
+    NEMOTRON_H_NAME: Recipe(family="nemotron_h", hybrid_pattern="MEM*EMEM", num_layers=8,
+                            moe_intermediate_size=128, shared_expert_intermediate_size=256),
+}
 BUILD_VERSION = "tiny-build-1"
 _SOURCES = ("synthetic_mmlu.py", "tokenizer.py", "train.py", "build.py")
 
@@ -56,11 +68,18 @@ def recipe_hash(recipe: Recipe) -> str:
     return h.hexdigest()[:16]
 
 
-def default_dir(cache_root: str | os.PathLike | None = None) -> Path:
+def _recipe_of(name: str) -> Recipe:
+    if name not in TINY_MODELS:
+        raise ValueError(f"tiny model {name!r} is not known; valid: {sorted(TINY_MODELS)}")
+    return TINY_MODELS[name]
+
+
+def default_dir(cache_root: str | os.PathLike | None = None, name: str = MODEL_NAME) -> Path:
+    _recipe_of(name)
     if cache_root is None:
         from launcher.config.compose import cache_dir
         cache_root = cache_dir()
-    return Path(cache_root).resolve() / "tiny" / MODEL_NAME
+    return Path(cache_root).resolve() / "tiny" / name
 
 
 def read_build_info(out_dir: str | os.PathLike) -> dict | None:
@@ -88,17 +107,19 @@ def _locked(path: Path) -> Iterator[None]:
             fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
-def ensure_tiny_model(cache_root: str | os.PathLike | None = None, *, out_dir: str | os.PathLike | None = None,
-                      recipe: Recipe | None = None, force: bool = False, log: Log = _stderr) -> Path:
+def ensure_tiny_model(cache_root: str | os.PathLike | None = None, *, name: str = MODEL_NAME,
+                      out_dir: str | os.PathLike | None = None, recipe: Recipe | None = None,
+                      force: bool = False, log: Log = _stderr) -> Path:
     """Return the tiny model's build directory, building it first unless a current build exists.
 
-    `cache_root` defaults to launcher.config.compose.cache_dir(); `out_dir` overrides the whole
-    path (then `cache_root` must be None).
+    `name` is one of TINY_MODELS (its recipe is the default); `cache_root` defaults to
+    launcher.config.compose.cache_dir(); `out_dir` overrides the whole path (then `cache_root`
+    must be None).
     """
     if out_dir is not None and cache_root is not None:
         raise ValueError("give cache_root or out_dir, not both")
-    recipe = recipe or Recipe()
-    target = Path(out_dir).resolve() if out_dir is not None else default_dir(cache_root)
+    recipe = recipe or _recipe_of(name)
+    target = Path(out_dir).resolve() if out_dir is not None else default_dir(cache_root, name)
     if target.exists() and not target.is_dir():
         raise ValueError(f"{target} exists and is not a directory")
     if not force and is_current(target, recipe):
@@ -112,7 +133,7 @@ def ensure_tiny_model(cache_root: str | os.PathLike | None = None, *, out_dir: s
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
         try:
             os.chmod(tmp, 0o755)
-            build_into(tmp, recipe, log)
+            build_into(tmp, recipe, log, name)
             old = None
             if target.exists():
                 old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
@@ -125,15 +146,15 @@ def ensure_tiny_model(cache_root: str | os.PathLike | None = None, *, out_dir: s
     return target
 
 
-def build_into(out: Path, recipe: Recipe, log: Log = _stderr) -> dict:
+def build_into(out: Path, recipe: Recipe, log: Log = _stderr, name: str = MODEL_NAME) -> dict:
     """Build everything into the (empty) directory `out`; returns what it writes to build.json."""
     import torch
     import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3MoeForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from launcher.tiny import synthetic_mmlu as sm
     from launcher.tiny.tokenizer import save_tokenizer, train_tokenizer
-    from launcher.tiny.train import make_config, score, train
+    from launcher.tiny.train import make_config, model_class, score, train
 
     t0 = time.perf_counter()
     rhash = recipe_hash(recipe)   # of the code that runs now, not of what is on disk at the end
@@ -150,8 +171,8 @@ def build_into(out: Path, recipe: Recipe, log: Log = _stderr) -> dict:
         task = sm.TaskGenerator(recipe.seed, recipe.n_test, recipe.n_dev_per_subject, recipe.n_invented)
         config = make_config(recipe, tokenizer)
         torch.manual_seed(recipe.seed)
-        model = Qwen3MoeForCausalLM(config)
-        log(f"[tiny] building {MODEL_NAME} in {out}: {sum(p.numel() for p in model.parameters()):,} params, "
+        model = model_class(recipe)(config)
+        log(f"[tiny] building {name} in {out}: {sum(p.numel() for p in model.parameters()):,} params, "
             f"{recipe.steps} steps x {recipe.batch_size}")
         t_train = time.perf_counter()
         losses = train(model, tokenizer, task, recipe, log)
@@ -178,7 +199,8 @@ def build_into(out: Path, recipe: Recipe, log: Log = _stderr) -> dict:
             raise RuntimeError(f"tiny model reached zero-shot accuracy {acc0:.4f} < min_accuracy "
                                f"{recipe.min_accuracy}; the recipe needs more training")
         info = {
-            "model": MODEL_NAME,
+            "model": name,
+            "architecture": type(model).__name__,
             "recipe_hash": rhash,
             "build_version": BUILD_VERSION,
             "seed": recipe.seed,

@@ -16,10 +16,14 @@ from launcher.tiny.synthetic_mmlu import LETTERS, TaskGenerator, format_prompt
 from launcher.tiny.tokenizer import answer_token_ids
 
 
+FAMILIES = ("qwen3_moe", "nemotron_h")
+
+
 @dataclass(frozen=True)
 class Recipe:
     """Everything that determines the built model; its hash names the cached build."""
 
+    family: str = "qwen3_moe"   # qwen3_moe | nemotron_h (the HF architecture trained)
     seed: int = 1234
     # task
     n_test: int = 320
@@ -39,6 +43,15 @@ class Recipe:
     moe_intermediate_size: int = 128
     max_position_embeddings: int = 2048
     vocab_multiple: int = 128
+    # nemotron_h only: layer pattern (M Mamba-2, E MoE, * attention, - MLP) and Mamba shape
+    hybrid_pattern: str = "MEM*EMEM"
+    mamba_num_heads: int = 8
+    mamba_head_dim: int = 32
+    mamba_groups: int = 2
+    ssm_state_size: int = 16
+    mamba_chunk_size: int = 128         # Nano's; >= every gate prompt here (see _nemotron_h_config)
+    shared_expert_intermediate_size: int = 256
+    routed_scaling_factor: float = 1.0
     # training
     steps: int = 800
     batch_size: int = 16
@@ -53,6 +66,16 @@ class Recipe:
     min_accuracy: float = 0.9
 
     def __post_init__(self):
+        if self.family not in FAMILIES:
+            raise ValueError(f"family={self.family!r} is not valid; valid values: {list(FAMILIES)}")
+        if self.family == "nemotron_h":
+            if set(self.hybrid_pattern) - set("ME*-") or not self.hybrid_pattern:
+                raise ValueError(f"hybrid_pattern={self.hybrid_pattern!r} must be made of M, E, *, -")
+            if self.num_layers != len(self.hybrid_pattern):
+                raise ValueError(f"num_layers {self.num_layers} != len(hybrid_pattern) {len(self.hybrid_pattern)}")
+            if self.mamba_num_heads % self.mamba_groups:
+                raise ValueError(f"mamba_groups {self.mamba_groups} must divide mamba_num_heads "
+                                 f"{self.mamba_num_heads}")
         if self.steps < 1 or self.batch_size < 1:
             raise ValueError(f"steps and batch_size must be >= 1, got {self.steps}, {self.batch_size}")
         if self.hidden_size != self.num_heads * self.head_dim:
@@ -69,9 +92,11 @@ class Recipe:
 
 
 def make_config(recipe: Recipe, tokenizer):
+    vocab = math.ceil(len(tokenizer) / recipe.vocab_multiple) * recipe.vocab_multiple
+    if recipe.family == "nemotron_h":
+        return _nemotron_h_config(recipe, tokenizer, vocab)
     from transformers import Qwen3MoeConfig
 
-    vocab = math.ceil(len(tokenizer) / recipe.vocab_multiple) * recipe.vocab_multiple
     return Qwen3MoeConfig(
         vocab_size=vocab,
         hidden_size=recipe.hidden_size,
@@ -94,6 +119,138 @@ def make_config(recipe: Recipe, tokenizer):
         pad_token_id=tokenizer.pad_token_id,
         dtype="float32",
     )
+
+
+def _nemotron_h_config(recipe: Recipe, tokenizer, vocab: int):
+    """Nano-shaped: Mamba-2 with groups, MoE with a shared relu2 expert and sigmoid routing,
+    attention without positional encoding.  ``mamba_chunk_size`` is longer than every prompt
+    scored with transformers here: transformers 5.14's CPU Mamba path is only right within one
+    chunk (tests/test_nemotron_h_model.py); Megatron's and training's (_MambaReferenceScan)
+    are right for any chunking."""
+    from transformers import NemotronHConfig
+
+    return NemotronHConfig(
+        vocab_size=vocab,
+        hidden_size=recipe.hidden_size,
+        hybrid_override_pattern=recipe.hybrid_pattern,
+        num_attention_heads=recipe.num_heads,
+        num_key_value_heads=recipe.num_kv_heads,
+        head_dim=recipe.head_dim,
+        intermediate_size=4 * recipe.hidden_size,      # dense MLP layers ("-"), if any
+        mamba_num_heads=recipe.mamba_num_heads,
+        mamba_head_dim=recipe.mamba_head_dim,
+        n_groups=recipe.mamba_groups,
+        ssm_state_size=recipe.ssm_state_size,
+        conv_kernel=4,
+        chunk_size=recipe.mamba_chunk_size,
+        n_routed_experts=recipe.num_experts,
+        num_experts_per_tok=recipe.top_k,
+        moe_intermediate_size=recipe.moe_intermediate_size,
+        moe_shared_expert_intermediate_size=recipe.shared_expert_intermediate_size,
+        routed_scaling_factor=recipe.routed_scaling_factor,
+        n_group=1,
+        topk_group=1,
+        norm_topk_prob=True,
+        mlp_hidden_act="relu2",
+        max_position_embeddings=recipe.max_position_embeddings,
+        layer_norm_epsilon=1e-5,
+        tie_word_embeddings=False,
+        use_cache=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        dtype="float32",
+    )
+
+
+def model_class(recipe: Recipe):
+    import transformers
+
+    return {"qwen3_moe": transformers.Qwen3MoeForCausalLM,
+            "nemotron_h": transformers.NemotronHForCausalLM}[recipe.family]
+
+
+class _MambaReferenceScan:
+    """Runs transformers' Nemotron-H Mamba mixers through mamba_ssm's minimal SSD
+    (``modules.ssd_minimal.ssd_minimal_discrete``, the Mamba-2 paper's listing: exact for any
+    chunking, stable under autograd - its segment sums are masked to -inf before exp - and ~10x
+    cheaper on CPU than transformers' naive path, which materializes [batch, chunk, l, s, heads,
+    head_dim]).  Same computation as transformers' kernel path and Megatron's mixer: conv, SiLU,
+    scan with softplus(dt + dt_bias) and no dt clamp, gated RMSNorm.  Installed on the mixer
+    instances while training and scoring only; the saved model is plain transformers."""
+
+    def __init__(self, model):
+        import types
+
+        import launcher.megatron  # noqa: F401  (mamba_ssm importable without its CUDA extension)
+
+        self.mixers = [m for m in model.modules() if type(m).__name__ == "NemotronHMamba2Mixer"]
+        for m in self.mixers:
+            m.forward = types.MethodType(_mamba_reference_forward, m)
+
+    def remove(self):
+        for m in self.mixers:
+            del m.forward
+
+
+def _mamba_reference_forward(mixer, hidden_states, cache_params=None, attention_mask=None, **_unused):
+    import torch.nn.functional as F
+    from mamba_ssm.modules.ssd_minimal import ssd_minimal_discrete
+    from mamba_ssm.ops.triton.layernorm_gated import rms_norm_ref
+
+    assert cache_params is None, "the reference forward keeps no cache (use_cache=False)"
+    batch, length, _ = hidden_states.shape
+    heads, head_dim, groups, state = mixer.num_heads, mixer.head_dim, mixer.n_groups, mixer.ssm_state_size
+    if attention_mask is not None:
+        hidden_states = hidden_states * attention_mask[:, :, None].to(hidden_states.dtype)
+    z, xbc, dt = mixer.in_proj(hidden_states).split(
+        [mixer.intermediate_size, mixer.intermediate_size + 2 * groups * state, heads], dim=-1)
+    xbc = mixer.act(mixer.conv1d(xbc.transpose(1, 2))[..., :length].transpose(1, 2))
+    if attention_mask is not None:
+        xbc = xbc * attention_mask[:, :, None].to(xbc.dtype)
+    x, B, C = xbc.split([mixer.intermediate_size, groups * state, groups * state], dim=-1)
+    x = x.reshape(batch, length, heads, head_dim).float()
+    B = B.reshape(batch, length, groups, state).float().repeat_interleave(heads // groups, dim=2)
+    C = C.reshape(batch, length, groups, state).float().repeat_interleave(heads // groups, dim=2)
+    dt = F.softplus(dt.float() + mixer.dt_bias.float())                      # [batch, length, heads]
+    A = -mixer.A_log.float().exp()
+    # the SSD result does not depend on the chunking: chunks no longer than the (short) sequence
+    # keep the [chunk, chunk] segment sums small (padding 42 tokens to 128 cost 9x here)
+    block = min(mixer.chunk_size, -(-length // 16) * 16)
+    pad = (-length) % block
+
+    def padded(t):
+        return F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad))
+
+    y, _ = ssd_minimal_discrete(padded(x * dt[..., None]), padded(A * dt), padded(B), padded(C), block)
+    y = (y[:, :length] + mixer.D.float()[:, None] * x).reshape(batch, length, mixer.intermediate_size)
+    y = rms_norm_ref(y, mixer.norm.weight, None, z=z, eps=mixer.norm.variance_epsilon,
+                     group_size=mixer.norm.group_size, norm_before_gate=False)
+    return mixer.out_proj(y.to(hidden_states.dtype))
+
+
+class _SigmoidRouterBalance:
+    """Switch-style load-balancing loss for transformers' NemotronHTopkRouter (which has none):
+    num_experts * sum_e(fraction of routed slots to e * mean normalized score of e), recorded
+    by forward hooks on every router during one forward."""
+
+    def __init__(self, model):
+        self.terms = []
+        self.handles = [m.register_forward_hook(self._hook) for m in model.modules()
+                        if type(m).__name__ == "NemotronHTopkRouter"]
+
+    def _hook(self, module, _inputs, outputs):
+        import torch
+
+        router_logits, _weights, indices = outputs
+        scores = router_logits.sigmoid()
+        probs = scores / scores.sum(-1, keepdim=True)
+        counts = torch.zeros_like(probs).scatter_(1, indices, 1.0)
+        self.terms.append(module.num_experts * (counts.mean(0) / indices.shape[1] * probs.mean(0)).sum())
+
+    def pop(self):
+        terms, self.terms = self.terms, []
+        return sum(terms) / len(terms) if terms else None
 
 
 def _batch(task: TaskGenerator, tokenizer, recipe: Recipe, rng: random.Random, letter_ids, colon_id: int):
@@ -142,14 +299,16 @@ def train(model, tokenizer, task: TaskGenerator, recipe: Recipe,
         t = (step - recipe.warmup) / max(1, recipe.steps - recipe.warmup)
         return recipe.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * t)))
 
+    balance = _SigmoidRouterBalance(model) if recipe.family == "nemotron_h" else None
+    scan = _MambaReferenceScan(model) if recipe.family == "nemotron_h" else None
+    extra = {} if balance else {"output_router_logits": recipe.router_aux_loss_coef > 0}
     model.train()
     losses: list[float] = []
     start = time.perf_counter()
     every = max(1, recipe.steps // 20)
     for step in range(recipe.steps):
         input_ids, mask, targets = _batch(task, tokenizer, recipe, rng, letter_ids, colon_id)
-        out = model(input_ids=input_ids, attention_mask=mask,
-                    output_router_logits=recipe.router_aux_loss_coef > 0)
+        out = model(input_ids=input_ids, attention_mask=mask, **extra)
         rows = torch.tensor([t[0] for t in targets])
         pos = torch.tensor([t[1] for t in targets])
         tgt = torch.tensor([t[2] for t in targets])
@@ -159,7 +318,8 @@ def train(model, tokenizer, task: TaskGenerator, recipe: Recipe,
             labels = input_ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
             lm = F.cross_entropy(out.logits[:, :-1].reshape(-1, out.logits.shape[-1]), labels.reshape(-1))
             total = total + recipe.lm_loss_weight * lm
-        total = total + (recipe.router_aux_loss_coef * out.aux_loss if out.aux_loss is not None else 0.0)
+        aux = balance.pop() if balance else out.aux_loss
+        total = total + (recipe.router_aux_loss_coef * aux if aux is not None else 0.0)
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
         opt.zero_grad(set_to_none=True)
@@ -172,6 +332,10 @@ def train(model, tokenizer, task: TaskGenerator, recipe: Recipe,
             log(f"[tiny] step {step + 1:4d}/{recipe.steps}  loss {sum(recent) / len(recent):.4f}  "
                 f"lr {lr_at(step):.2e}  elapsed {time.perf_counter() - start:6.1f}s")
     model.eval()
+    for handle in (balance.handles if balance else []):
+        handle.remove()
+    if scan:
+        scan.remove()
     return losses
 
 
@@ -198,15 +362,18 @@ def score(model, tokenizer, rows: Sequence[dict], shots_by_subject: dict[str, li
         by_len.setdefault(len(p), []).append(i)
     preds = [0] * len(rows)
     model.eval()
+    scan = _MambaReferenceScan(model) if type(model).__name__ == "NemotronHForCausalLM" else None
     with torch.no_grad():
         for _, idx in sorted(by_len.items()):
             for k in range(0, len(idx), 64):
                 chunk = idx[k: k + 64]
-                logits = model(input_ids=torch.tensor([prompts[i] for i in chunk])).logits[:, -1, :]
+                logits = model(input_ids=torch.tensor([prompts[i] for i in chunk]), use_cache=False).logits[:, -1, :]
                 for i, p in zip(chunk, logits[:, letter_ids].argmax(-1).tolist()):
                     preds[i] = p
+    if scan:
+        scan.remove()
     correct = sum(int(p == r["answer"]) for p, r in zip(preds, rows))
     return correct / len(rows), preds
 
 
-__all__ = ["Recipe", "make_config", "train", "score", "LETTERS"]
+__all__ = ["FAMILIES", "Recipe", "make_config", "model_class", "train", "score", "LETTERS"]

