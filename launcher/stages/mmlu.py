@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional
 
 from launcher.mmlu import gate as gate_mod
-from launcher.mmlu.batching import Batch, make_batches, padding_efficiency
-from launcher.mmlu.data import LETTERS, Question, load_dev, load_mmlu
-from launcher.mmlu.prompts import Prompt, build_prompts, choice_token_ids, encode_prompts, select_fraction
+from launcher.mmlu.batching import Batch, BatchLimits, make_batches_for, padding_efficiency, resolve_limits
+from launcher.mmlu.data import LETTERS
+from launcher.mmlu.prompts import Prompt, bos_id, choice_token_ids, finish_ids
+from launcher.mmlu.token_cache import prompts_and_ids
 from launcher.stages.context import EXIT_GATE_FAILED, StageContext, StageFailed, write_json_atomic
 
 
@@ -30,6 +31,8 @@ class Prepared:
     choice_ids: list[int]
     pad_id: int
     truncated: int
+    limits: Optional[BatchLimits] = None
+    token_cache: Optional[dict] = None
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False):
@@ -46,18 +49,43 @@ def pad_token_id(tokenizer) -> int:
     return 0
 
 
-def prepare(scfg, tokenizer) -> Prepared:
-    """Questions -> prompts -> token ids -> batches (pure Python given a tokenizer)."""
-    questions = load_mmlu(scfg.dataset, "test")
-    if not questions:
+def prepare(scfg, tokenizer, limits: Optional[BatchLimits] = None,
+            cache_root: Optional[str] = None) -> Prepared:
+    """Questions -> prompts -> token ids -> batches (pure Python given a tokenizer).
+
+    ``limits``: the resolved batch limits (``batch_limits``); default: ``batch_size`` /
+    ``max_batch_tokens`` resolved for CPU.  ``cache_root``: where the prompts and token ids are
+    cached (``launcher.mmlu.token_cache``); None: no cache.
+    """
+    prompts, raw_ids, cache_info = prompts_and_ids(scfg.dataset, scfg.dev_dataset, scfg.fraction,
+                                                   scfg.few_shots, tokenizer, cache_root)
+    if not prompts:
         raise StageFailed(f"stages.mmlu.dataset={scfg.dataset!r} holds no test questions")
-    questions = select_fraction(questions, scfg.fraction)
-    dev: Sequence[Question] = load_dev(scfg.dataset, scfg.dev_dataset) if scfg.few_shots else ()
-    prompts = build_prompts(questions, dev, scfg.few_shots)
-    token_ids, truncated = encode_prompts(prompts, tokenizer, scfg.add_bos, scfg.max_seq_len)
-    batches = make_batches([len(t) for t in token_ids], scfg.batch_size, scfg.max_batch_tokens)
+    token_ids, truncated = finish_ids(raw_ids, bos_id(tokenizer, scfg.add_bos), scfg.max_seq_len)
+    if limits is None:
+        limits = resolve_limits(scfg.batch_size, scfg.max_batch_tokens, "cpu")
+    batches = make_batches_for([len(t) for t in token_ids], limits)
     return Prepared(prompts, token_ids, batches, choice_token_ids(tokenizer), pad_token_id(tokenizer),
-                    truncated)
+                    truncated, limits, cache_info)
+
+
+def batch_limits(scfg, device: str, hf_path: str) -> BatchLimits:
+    """``stages.mmlu.batch_size``/``max_batch_tokens`` resolved for ``device`` (auto on CUDA reads
+    the device's memory and the model's dimensions from config.json)."""
+    from launcher.mmlu.batching import AUTO, activation_bytes_per_token
+
+    mem = per_token = None
+    if scfg.batch_size == AUTO and device == "cuda" and scfg.max_batch_tokens is None:
+        import torch
+
+        from launcher.megatron.models import read_hf_config
+
+        hf = read_hf_config(hf_path)
+        mem = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        per_token = activation_bytes_per_token(
+            hf["hidden_size"], hf.get("intermediate_size") or 4 * hf["hidden_size"],
+            int(hf.get("num_experts_per_tok") or 0), int(hf.get("moe_intermediate_size") or 0))
+    return resolve_limits(scfg.batch_size, scfg.max_batch_tokens, device, mem, per_token)
 
 
 def build_results(prepared: Prepared, results: dict, scfg, decision: gate_mod.GateDecision,
@@ -91,7 +119,8 @@ def build_results(prepared: Prepared, results: dict, scfg, decision: gate_mod.Ga
         "per_subject": subjects, "questions": per_q,
         "shard_mode": plan.mode, "plan": summary,
         "batches": {"count": len(prepared.batches), "batch_size": scfg.batch_size,
-                    "max_batch_tokens": scfg.max_batch_tokens},
+                    "max_batch_tokens": scfg.max_batch_tokens,
+                    "resolved": prepared.limits.summary() if prepared.limits else None},
         "padding_efficiency": eff, "padding_efficiency_with_plan": eff_plan,
         "timings": timings or {},
     }
@@ -121,14 +150,19 @@ def run(ctx: StageContext) -> None:
     gate_mod.check_gate_config(scfg.lower_bound, scfg.max_drop, scfg.baseline, scfg.baseline_accuracy)
     timings: dict[str, float] = {}
     t0 = time.time()
+    from launcher.config.compose import cache_dir
+
     tokenizer = load_tokenizer(cfg.model.path, bool(cfg.model.get("trust_remote_code", False)))
-    prepared = prepare(scfg, tokenizer)
+    prepared = prepare(scfg, tokenizer, batch_limits(scfg, ctx.device, cfg.model.path), cache_dir())
     timings["prepare_s"] = time.time() - t0
+    if prepared.token_cache.get("error"):
+        ctx.warn(prepared.token_cache["error"])
     if prepared.truncated:
         ctx.warn(f"{prepared.truncated} prompt(s) longer than stages.mmlu.max_seq_len="
                  f"{scfg.max_seq_len} were left-truncated (the question end is kept)")
-    ctx.log(f"{len(prepared.prompts)} questions, {len(prepared.batches)} batches, padding "
-            f"efficiency {padding_efficiency(prepared.batches):.3f}, shard_mode={scfg.shard_mode}")
+    ctx.log(f"{len(prepared.prompts)} questions, {len(prepared.batches)} batches ({prepared.limits.summary()}), "
+            f"padding efficiency {padding_efficiency(prepared.batches):.3f}, shard_mode={scfg.shard_mode}, "
+            f"token cache {prepared.token_cache.get('cache')}")
 
     t = time.time()
     dtype = cfg.stages.quantize.get("dtype", "bfloat16")
