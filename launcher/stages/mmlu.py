@@ -144,7 +144,8 @@ def run(ctx: StageContext) -> None:
     from launcher.megatron.checkpoint import load_checkpoint
     from launcher.megatron.hf_io import import_hf_weights
     from launcher.megatron.models import build_model
-    from launcher.mmlu.evaluate import broadcast_from_rank0, evaluate_model
+    from launcher.mmlu.evaluate import (broadcast_from_rank0, evaluate_model, prepare_model_for_eval,
+                                        release_model_after_eval)
 
     scfg, cfg = ctx.stage_cfg, ctx.cfg
     gate_mod.check_gate_config(scfg.lower_bound, scfg.max_drop, scfg.baseline, scfg.baseline_accuracy)
@@ -167,7 +168,7 @@ def run(ctx: StageContext) -> None:
     t = time.time()
     dtype = cfg.stages.quantize.get("dtype", "bfloat16")
     model = build_model(cfg.model.path, ctx.dims, ctx.device, dtype, scfg.moe_dispatcher,
-                        bool(cfg.model.get("trust_remote_code", False)))
+                        bool(cfg.model.get("trust_remote_code", False)), eval_kernels=ctx.device == "cuda")
     quantized = bool(cfg.stages.quantize.enabled)
     evaluate_base = scfg.baseline == "evaluate"
     if not quantized or evaluate_base:
@@ -180,12 +181,15 @@ def run(ctx: StageContext) -> None:
     baseline = None
     if evaluate_base and quantized:
         t = time.time()
+        prepare_model_for_eval(model, ctx.log)
         baseline, _, _ = evaluate_model(model, prepared, label="baseline", **common)
+        release_model_after_eval(model)
         timings["baseline_eval_s"] = time.time() - t
     if quantized:
         t = time.time()
         load_checkpoint(model, ctx.path("quantize", "checkpoint"))
         timings["load_checkpoint_s"] = time.time() - t
+    timings["fold_and_group_s"] = prepare_model_for_eval(model, ctx.log)["seconds"]
     t = time.time()
     results, plan, local = evaluate_model(model, prepared, label="quantized" if quantized else "", **common)
     timings["eval_s"] = time.time() - t
