@@ -120,3 +120,25 @@ def test_fold_grouped_experts_and_sdpa_match_reference(random_tiny_moe):
         s = res["sdpa"]
         assert s["core_attention"] == "SdpaCoreAttention"
         assert 0 < s["max_abs_diff"] < 1e-5 and s["same_argmax"], s
+
+
+def test_identity_chunk_sort_is_skipped_and_others_unchanged():
+    pytest.importorskip("torch")
+    import torch
+    import megatron.core.transformer.moe.token_dispatcher as td
+    from megatron.core.transformer.moe.moe_utils import sort_chunks_by_idxs as megatron_sort
+
+    from launcher.megatron.grouped_experts import skip_identity_chunk_sort
+
+    skip_identity_chunk_sort()
+    assert td.sort_chunks_by_idxs is not megatron_sort and not skip_identity_chunk_sort()   # once
+    x, probs = torch.randn(10, 3), torch.rand(10)
+    sizes = torch.tensor([3, 2, 4, 1])
+    identity = torch.arange(4)
+    out, p = td.sort_chunks_by_idxs(x, sizes, identity, probs=probs)
+    ref, ref_p = megatron_sort(x, sizes, identity, probs=probs)
+    assert out is x and p is probs and torch.equal(out, ref) and torch.equal(p, ref_p)   # no copy
+    order = torch.tensor([0, 2, 1, 3])                    # EP2 x 2 local experts: a real reorder
+    out, p = td.sort_chunks_by_idxs(x, sizes, order, probs=probs)
+    ref, ref_p = megatron_sort(x, sizes, order, probs=probs)
+    assert torch.equal(out, ref) and torch.equal(p, ref_p) and not torch.equal(out, x)

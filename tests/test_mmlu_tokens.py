@@ -10,8 +10,9 @@ import shutil
 
 import pytest
 
-from launcher.mmlu.batching import (AUTO_MIN_FILL, BatchLimits, activation_bytes_per_token,
-                                    auto_batch_tokens, make_batches, resolve_limits)
+from launcher.mmlu.batching import (FILL_CANDIDATES, OVERHEAD_TOKENS_DENSE, OVERHEAD_TOKENS_MOE, BatchLimits,
+                                    activation_bytes_per_token, auto_batch_tokens, batch_cost, choose_min_fill,
+                                    make_batches, make_batches_for, resolve_limits)
 
 GiB = 1 << 30
 
@@ -30,13 +31,16 @@ def test_auto_on_cuda_sizes_the_budget_from_the_device():
     moe = activation_bytes_per_token(2048, 6144, topk=8, moe_ffn=768)
     assert moe == 2 * (18 * 2048 + 24 * 768)
     # 10% of 141 GB holds > 65,536 tokens of either: the cap
-    assert resolve_limits("auto", None, "cuda", 141 * GiB, dense) == BatchLimits(None, 65536, AUTO_MIN_FILL, "auto-device")
+    assert resolve_limits("auto", None, "cuda", 141 * GiB, dense) == BatchLimits(
+        None, 65536, None, "auto-device", OVERHEAD_TOKENS_DENSE)
+    assert resolve_limits("auto", None, "cuda", 141 * GiB, moe, moe=True).overhead_tokens == OVERHEAD_TOKENS_MOE
     # a 120B-class MoE (hidden 8192, 22 experts of 2688 per token) on 80 GB: 8 GB / 1.14 MB = 7.5k -> 4096
     big = activation_bytes_per_token(8192, 16384, topk=22, moe_ffn=2688)
     assert auto_batch_tokens(80 * GiB, big) == 4096
     assert auto_batch_tokens(16 * GiB, dense) == 16384              # 1.7 GB / 66 kB = 26k -> 16384
     # max_batch_tokens overrides the device's choice; rows stay unlimited
-    assert resolve_limits("auto", 8192, "cuda") == BatchLimits(None, 8192, AUTO_MIN_FILL, "auto-max_batch_tokens")
+    assert resolve_limits("auto", 8192, "cuda") == BatchLimits(None, 8192, None, "auto-max_batch_tokens",
+                                                              OVERHEAD_TOKENS_DENSE)
 
 
 @pytest.mark.parametrize("bad", [0, -3, "eight", 2.5, True])
@@ -58,6 +62,20 @@ def test_fill_cut_bounds_padding_batch_by_batch():
     assert [b.lengths for b in make_batches(lengths, None, 250, 0.8)][:2] == [(100, 95), (90,)]
     with pytest.raises(ValueError, match=r"min_fill=0: must be in \(0, 1\]"):
         make_batches(lengths, None, 10, min_fill=0)
+
+
+def test_auto_fill_minimizes_padding_plus_forward_overhead():
+    # a long tail: 4 long prompts over many short ones
+    lengths = [400, 300, 200, 120] + [60] * 50 + [50] * 50 + [40] * 50
+    costs = {f: batch_cost(make_batches(lengths, None, 65536, f), 2000) for f in FILL_CANDIDATES}
+    best = min(FILL_CANDIDATES, key=lambda f: (costs[f], FILL_CANDIDATES.index(f)))
+    assert choose_min_fill(lengths, None, 65536, 2000) == best
+    # cheap forwards favour a tight fill (little padding), costly ones fewer, fuller batches
+    assert choose_min_fill(lengths, None, 65536, 10) == 0.9
+    assert choose_min_fill(lengths, None, 65536, 10 ** 6) is None
+    auto = make_batches_for(lengths, BatchLimits(None, 65536, None, "auto-device", 2000))
+    assert [b.items for b in auto] == [b.items for b in make_batches(lengths, None, 65536, best)]
+    assert batch_cost(auto, 2000) == min(costs.values())
 
 
 # ------------------------------------------------------------------------------ tokenization

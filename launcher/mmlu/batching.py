@@ -12,7 +12,11 @@ A single prompt longer than the budget still gets a batch of its own.
 * on CPU: 8 rows and ``max_batch_tokens`` as given (the behaviour before ``auto`` existed);
 * on CUDA: no row limit; the token budget is ``max_batch_tokens`` when set, else
   ``auto_batch_tokens`` - a power of two between 4,096 and 65,536 tokens chosen from the
-  device's memory and the model's per-token activation size - and ``min_fill`` = ``AUTO_MIN_FILL``.
+  device's memory and the model's per-token activation size - and the fill cut that minimizes
+  ``padded tokens + overhead_tokens * forwards`` over ``FILL_CANDIDATES`` (``choose_min_fill``).
+  ``overhead_tokens`` is a forward's fixed cost in tokens' worth of work, measured on the H200
+  (benchmarks/mmlu_gpu.py profiles): ~500 for a dense model (5% of a forward idle), ~2,000 for
+  an MoE (each MoE layer syncs with the host and launches ~20 small kernels).
 
 An integer ``batch_size`` keeps exactly the old rule (rows and optional budget, no fill cut).
 """
@@ -23,7 +27,9 @@ from typing import Optional, Sequence
 
 AUTO = "auto"
 CPU_AUTO_ROWS = 8                 # auto on CPU: the pre-auto default
-AUTO_MIN_FILL = 0.8               # auto on CUDA: every row fills >= 80% of its batch's length
+AUTO_MIN_FILL = 0.8               # the benchmark sweep's fill cut (every row >= 80% of its batch)
+FILL_CANDIDATES = (None, 0.5, 0.6, 0.7, 0.8, 0.9)
+OVERHEAD_TOKENS_DENSE, OVERHEAD_TOKENS_MOE = 500, 2000
 AUTO_TOKENS_MIN, AUTO_TOKENS_MAX = 4096, 65536
 AUTO_MEMORY_FRACTION = 0.10       # share of device memory one forward's activations may take
 
@@ -58,11 +64,12 @@ class BatchLimits:
     rows: Optional[int]              # None: no row limit
     max_tokens: Optional[int]        # None: no token budget
     min_fill: Optional[float] = None
-    source: str = "explicit"         # explicit | auto-cpu | auto-device | auto-max_batch_tokens
+    source: str = "explicit"         # explicit | auto-cpu | auto-device | auto-max_batch_tokens | sweep
+    overhead_tokens: Optional[int] = None   # set: min_fill is chosen per prompt set (choose_min_fill)
 
     def summary(self) -> dict:
         return {"rows": self.rows, "max_batch_tokens": self.max_tokens, "min_fill": self.min_fill,
-                "source": self.source}
+                "overhead_tokens": self.overhead_tokens, "source": self.source}
 
 
 def check_batch_size(batch_size) -> None:
@@ -99,7 +106,7 @@ def auto_batch_tokens(device_memory_bytes: int, bytes_per_token: int) -> int:
 
 def resolve_limits(batch_size, max_batch_tokens: Optional[int], device: str,
                    device_memory_bytes: Optional[int] = None,
-                   bytes_per_token: Optional[int] = None) -> BatchLimits:
+                   bytes_per_token: Optional[int] = None, moe: bool = False) -> BatchLimits:
     """``batch_size`` (int or 'auto') + ``max_batch_tokens`` on ``device`` -> BatchLimits."""
     check_batch_size(batch_size)
     _check_tokens(max_batch_tokens)
@@ -107,13 +114,27 @@ def resolve_limits(batch_size, max_batch_tokens: Optional[int], device: str,
         return BatchLimits(int(batch_size), max_batch_tokens, None, "explicit")
     if device != "cuda":
         return BatchLimits(CPU_AUTO_ROWS, max_batch_tokens, None, "auto-cpu")
+    overhead = OVERHEAD_TOKENS_MOE if moe else OVERHEAD_TOKENS_DENSE
     if max_batch_tokens is not None:
-        return BatchLimits(None, max_batch_tokens, AUTO_MIN_FILL, "auto-max_batch_tokens")
+        return BatchLimits(None, max_batch_tokens, None, "auto-max_batch_tokens", overhead)
     if device_memory_bytes is None or bytes_per_token is None:
         raise ValueError("batch_size=auto on cuda needs the device memory and the model's bytes per "
                          "token (or set stages.mmlu.max_batch_tokens)")
-    return BatchLimits(None, auto_batch_tokens(device_memory_bytes, bytes_per_token), AUTO_MIN_FILL,
-                       "auto-device")
+    return BatchLimits(None, auto_batch_tokens(device_memory_bytes, bytes_per_token), None,
+                       "auto-device", overhead)
+
+
+def batch_cost(batches: Sequence["Batch"], overhead_tokens: int) -> int:
+    """Padded tokens plus ``overhead_tokens`` per forward: what ``choose_min_fill`` minimizes."""
+    return sum(b.padded_tokens for b in batches) + overhead_tokens * len(batches)
+
+
+def choose_min_fill(lengths: Sequence[int], rows: Optional[int], max_tokens: Optional[int],
+                    overhead_tokens: int) -> Optional[float]:
+    """The fill cut of FILL_CANDIDATES with the lowest ``batch_cost`` (ties: the earlier one)."""
+    costs = [(batch_cost(make_batches(lengths, rows, max_tokens, f), overhead_tokens), i)
+             for i, f in enumerate(FILL_CANDIDATES)]
+    return FILL_CANDIDATES[min(costs)[1]]
 
 
 def _check_tokens(max_batch_tokens) -> None:
@@ -155,7 +176,10 @@ def make_batches(lengths: Sequence[int], batch_size: Optional[int],
 
 
 def make_batches_for(lengths: Sequence[int], limits: BatchLimits) -> list[Batch]:
-    return make_batches(lengths, limits.rows, limits.max_tokens, limits.min_fill)
+    fill = limits.min_fill
+    if fill is None and limits.overhead_tokens is not None and lengths:
+        fill = choose_min_fill(lengths, limits.rows, limits.max_tokens, limits.overhead_tokens)
+    return make_batches(lengths, limits.rows, limits.max_tokens, fill)
 
 
 def _batch(items: list[int], lengths: Sequence[int]) -> Batch:

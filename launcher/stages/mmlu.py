@@ -75,17 +75,20 @@ def batch_limits(scfg, device: str, hf_path: str) -> BatchLimits:
     from launcher.mmlu.batching import AUTO, activation_bytes_per_token
 
     mem = per_token = None
-    if scfg.batch_size == AUTO and device == "cuda" and scfg.max_batch_tokens is None:
+    moe = False
+    if scfg.batch_size == AUTO and device == "cuda":
         import torch
 
         from launcher.megatron.models import read_hf_config
 
         hf = read_hf_config(hf_path)
+        topk = int(hf.get("num_experts_per_tok") or 0)
+        moe = topk > 0
         mem = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
         per_token = activation_bytes_per_token(
-            hf["hidden_size"], hf.get("intermediate_size") or 4 * hf["hidden_size"],
-            int(hf.get("num_experts_per_tok") or 0), int(hf.get("moe_intermediate_size") or 0))
-    return resolve_limits(scfg.batch_size, scfg.max_batch_tokens, device, mem, per_token)
+            hf["hidden_size"], hf.get("intermediate_size") or 4 * hf["hidden_size"], topk,
+            int(hf.get("moe_intermediate_size") or 0))
+    return resolve_limits(scfg.batch_size, scfg.max_batch_tokens, device, mem, per_token, moe)
 
 
 def build_results(prepared: Prepared, results: dict, scfg, decision: gate_mod.GateDecision,
