@@ -36,10 +36,11 @@ def margin(vals) -> float:
     return s[0] - s[1]
 
 
-def compare(a: dict, b: dict, tie_eps: float) -> dict:
+def compare(a: dict, b: dict, tie_eps: float, subset=None) -> dict:
     """Prediction agreement of two runs; 'changed_clear': differing where both top-2 margins > tie_eps.
-    'changes' lists each changed question: its top-2 margin in both runs and its max |logit diff|."""
-    keys = sorted(a)
+    'changes' lists changed questions (every clear one, then others up to 20): the top-2 margin
+    in both runs and the max |logit diff|.  ``subset``: only these questions."""
+    keys = sorted(k for k in a if subset is None or k in subset)
     diff = [k for k in keys if a[k][0] != b[k][0]]
     clear = [k for k in diff if margin(a[k][1]) > tie_eps and margin(b[k][1]) > tie_eps]
     per_q = {k: max(abs(x - y) for x, y in zip(a[k][1], b[k][1])) for k in keys}
@@ -48,7 +49,8 @@ def compare(a: dict, b: dict, tie_eps: float) -> dict:
             "median_abs_logit_diff": sorted(per_q.values())[len(keys) // 2],
             "bit_identical": all(a[k][1] == b[k][1] for k in keys),
             "changes": [{"question": k, "margins": [round(margin(a[k][1]), 4), round(margin(b[k][1]), 4)],
-                         "max_abs_logit_diff": round(per_q[k], 4)} for k in diff[:20]]}
+                         "max_abs_logit_diff": round(per_q[k], 4)}
+                        for k in (clear + [k for k in diff if k not in clear])[:max(20, len(clear))]]}
 
 
 class ModelBench:
@@ -252,7 +254,10 @@ class ModelBench:
         sel = ref_selection(rows_all, fraction)
         if sel != [p.question.index for p in self.prepared.prompts]:
             raise AssertionError(f"{self.name}: the reference selects other questions than ours")
-        ref_lengths = [len(self.tokenizer(ref_prompt(rows_all[i])).input_ids) for i in sel]
+        ref_ids = [self.tokenizer(ref_prompt(rows_all[i])).input_ids for i in sel]
+        ref_lengths = [len(x) for x in ref_ids]
+        # the reference keeps the question text unstripped: some prompts differ by a token
+        self.same_tokens = {i for i, x, y in zip(sel, ref_ids, self.prepared.token_ids) if list(x) == list(y)}
         order = sorted(range(len(sel)), key=lambda i: ref_lengths[i], reverse=True)
         out = []
         for bs in args.ref_batch_sizes:
@@ -291,14 +296,19 @@ class ModelBench:
         ref_best = min(refs, key=lambda r: r["seconds"]) if refs else None
         ref_bs1 = next((r for r in refs if r["batch_size"] == 1), None)
         e2e = timing["prepare_warm_s"] + default["seconds"]
+        first_best = min(product, key=lambda r: r["first_seconds"])
         ratios = {"default_over_best": default["seconds"] / best["seconds"],
+                  "default_over_best_first_pass": default["first_seconds"] / first_best["first_seconds"],
+                  "default_first_pass_over_steady": default["first_seconds"] / default["seconds"],
                   "prepare_warm_over_eval": timing["prepare_warm_s"] / default["seconds"],
                   "prepare_cold_over_eval": timing["prepare_cold_s"] / default["seconds"],
                   "old_default_over_default": runs["old_default"]["seconds"] / default["seconds"]}
         if ref_best:
             ratios.update(ref_best_over_default_e2e=ref_best["seconds"] / e2e,
                           ref_best_over_default_e2e_cold=ref_best["seconds"] / (timing["prepare_cold_s"] + default["seconds"]),
-                          ref_best_over_best=ref_best["seconds"] / best["seconds"])
+                          ref_best_over_best=ref_best["seconds"] / best["seconds"],
+                          ref_best_over_default_e2e_first_pass=ref_best["seconds"] / (timing["prepare_warm_s"]
+                                                                                       + default["first_seconds"]))
         if ref_bs1:
             ratios["ref_bs1_over_default_e2e"] = ref_bs1["seconds"] / e2e
         for fmt in quant:
@@ -318,8 +328,9 @@ class ModelBench:
                 if x in self.preds and y in self.preds:
                     agreement[key] = compare(self.preds[x], self.preds[y], tie)
         if ref_best:
-            agreement["best_vs_reference_best"] = compare(self.preds[best["config"]],
-                                                          self.preds[f"reference:{ref_best['batch_size']}"], tie)
+            ours_b, ref_b = self.preds[best["config"]], self.preds[f"reference:{ref_best['batch_size']}"]
+            agreement["best_vs_reference_best"] = compare(ours_b, ref_b, tie)
+            agreement["best_vs_reference_best_same_prompt_tokens"] = compare(ours_b, ref_b, tie, self.same_tokens)
         return {"model": self.name, "config": self.cfg, "params_total": self.fl.n_total,
                 "params_active_matmul": self.fl.n_active, "fraction": fraction, "questions": len(self.lengths),
                 "prompt_tokens": self.real_tokens, "max_prompt_tokens": max(self.lengths), "build_s": build_s,

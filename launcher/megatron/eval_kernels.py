@@ -9,6 +9,11 @@ no s x s scores in memory, one kernel.  Same inputs and outputs as ``DotProductA
 forward of this launcher uses (``forward_logits``: right-padded prompts under a causal mask,
 so real positions never attend to padding).
 
+The cuDNN SDPA backend is excluded (flash, memory-efficient or math kernels only): on the H200
+(torch 2.11) PyTorch picked cuDNN's fused attention, which builds an execution plan for every new
+(batch, sequence) shape - about 40 ms each (``benchmarks/mmlu_gpu.py``: first pass over 14 new
+shapes 1.31 s, the same shapes again 0.85 s).  The gate sees each batch shape exactly once.
+
 ``gpt_eval_spec(spec)`` returns the layer spec with ``DotProductAttention`` swapped for it; the
 model builder also sets ``bias_activation_fusion`` (Megatron's own fused SwiGLU, a
 ``torch.compile``'d kernel).  Both change the arithmetic a little (bf16 flash attention instead of
@@ -25,6 +30,15 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
+
+
+def _backends():
+    from torch.nn.attention import SDPBackend
+
+    return [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+_BACKENDS = _backends()
 
 
 class SdpaCoreAttention(MegatronModule):
@@ -68,7 +82,10 @@ class SdpaCoreAttention(MegatronModule):
             rep = self.heads // self.groups
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
+        from torch.nn.attention import sdpa_kernel
+
+        with sdpa_kernel(_BACKENDS):   # not cuDNN: its per-shape plan build costs ~40 ms a shape
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
         return out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim)
 
 

@@ -14,9 +14,11 @@ A single prompt longer than the budget still gets a batch of its own.
   ``auto_batch_tokens`` - a power of two between 4,096 and 65,536 tokens chosen from the
   device's memory and the model's per-token activation size - and the fill cut that minimizes
   ``padded tokens + overhead_tokens * forwards`` over ``FILL_CANDIDATES`` (``choose_min_fill``).
-  ``overhead_tokens`` is a forward's fixed cost in tokens' worth of work, measured on the H200
-  (benchmarks/mmlu_gpu.py profiles): ~500 for a dense model (5% of a forward idle), ~2,000 for
-  an MoE (each MoE layer syncs with the host and launches ~20 small kernels).
+  ``overhead_tokens`` is a forward's fixed cost in tokens' worth of work, set from the H200
+  measurements (benchmarks/mmlu_gpu.py): dense 1,500 - fill 0.8's 14 forwards beat fill 0.9's
+  28 (0.850 vs 0.923 s bf16; 1.0 vs 1.39 s NVFP4, whose 64 quantized linears add ~30 ms of host
+  work per forward), which 500 had chosen; MoE 2,000 - fill 0.6's 5 forwards ran 0.097 s, fill
+  0.8's 11 0.141 s (each MoE layer syncs with the host and launches ~20 small kernels).
 
 An integer ``batch_size`` keeps exactly the old rule (rows and optional budget, no fill cut).
 """
@@ -29,7 +31,7 @@ AUTO = "auto"
 CPU_AUTO_ROWS = 8                 # auto on CPU: the pre-auto default
 AUTO_MIN_FILL = 0.8               # the benchmark sweep's fill cut (every row >= 80% of its batch)
 FILL_CANDIDATES = (None, 0.5, 0.6, 0.7, 0.8, 0.9)
-OVERHEAD_TOKENS_DENSE, OVERHEAD_TOKENS_MOE = 500, 2000
+OVERHEAD_TOKENS_DENSE, OVERHEAD_TOKENS_MOE = 1500, 2000
 AUTO_TOKENS_MIN, AUTO_TOKENS_MAX = 4096, 65536
 AUTO_MEMORY_FRACTION = 0.10       # share of device memory one forward's activations may take
 
