@@ -9,10 +9,12 @@ no s x s scores in memory, one kernel.  Same inputs and outputs as ``DotProductA
 forward of this launcher uses (``forward_logits``: right-padded prompts under a causal mask,
 so real positions never attend to padding).
 
-The cuDNN SDPA backend is excluded (flash, memory-efficient or math kernels only): on the H200
-(torch 2.11) PyTorch picked cuDNN's fused attention, which builds an execution plan for every new
-(batch, sequence) shape - about 40 ms each (``benchmarks/mmlu_gpu.py``: first pass over 14 new
-shapes 1.31 s, the same shapes again 0.85 s).  The gate sees each batch shape exactly once.
+The cuDNN SDPA backend is excluded (flash, memory-efficient or math kernels only).  On the H200
+(torch 2.11) PyTorch picked cuDNN's fused attention, and every configuration's first pass over
+new batch shapes cost ~35-45 ms per shape more than a second pass over the same shapes
+(``benchmarks/mmlu_gpu.py``, dense: 1.31 s vs 0.85 s for 14 new shapes), while the local spec
+showed no such gap (1.29 vs 1.28 s).  cuDNN builds an execution plan per new shape, the likely
+cause; the gate sees each batch shape once.  (Excluding it was not re-measured on the GPU.)
 
 ``gpt_eval_spec(spec)`` returns the layer spec with ``DotProductAttention`` swapped for it; the
 model builder also sets ``bias_activation_fusion`` (Megatron's own fused SwiGLU, a
