@@ -85,6 +85,10 @@ def batch_limits(scfg, device: str, hf_path: str) -> BatchLimits:
         topk = int(hf.get("num_experts_per_tok") or 0)
         moe = topk > 0
         mem = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            every = [None] * torch.distributed.get_world_size()   # one budget, one shard plan
+            torch.distributed.all_gather_object(every, mem)
+            mem = min(every)
         per_token = activation_bytes_per_token(
             hf["hidden_size"], hf.get("intermediate_size") or 4 * hf["hidden_size"], topk,
             int(hf.get("moe_intermediate_size") or 0))
