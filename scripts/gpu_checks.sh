@@ -8,22 +8,28 @@
 #                tiny Qwen3-MoE quantized NVFP4 + FP8 on the GPU, quantize -> export -> verify
 #   pipeline     `launch examples/tiny/...` end to end on cuda at world size 1 (quantize NVFP4 ->
 #                MMLU gate -> export), needs the tiny build under $PTQ_CACHE_DIR or .cache/tiny
+#   gate         the tiny example's quantize (NVFP4) + MMLU gate on cuda, export off (the gate's
+#                fold + grouped experts + eval kernels, through the product's stage)
 #   bench-smoke  benchmarks/mmlu_gpu.py on a handful of questions (does the script run on GPU?)
 #   probe        scripts/gpu_quant_probe.py: ModelOpt's CUDA fake-quant kernels vs export arithmetic
 #   cost         benchmarks/pipeline_cost.py on cuda: launcher overhead, quantize and export time
 #                of random 4-layer Qwen3-MoE models of hidden 1024 and 2048 at 16 and 128 samples
 #   cost-large   the third points: hidden 3072 (0.95 B parameters) at 16 and 512 samples
-#   bench        benchmarks/mmlu_gpu.py as quoted in README "Performance" (dense 1,430 questions,
-#                MoE 4 layers 290 questions; about 4 minutes)
+#   bench        benchmarks/mmlu_gpu.py as quoted in README "Performance" (issue 16: dense 1,430
+#                questions, MoE 4 layers 306 questions; product default, budget sweep, ablations,
+#                NVFP4 + FP8 gates, megatron_mmlu at batch 1/8/32/64; about 6 minutes)
+#   bench-quick  the same without megatron_mmlu at batch 1 (its slowest, ~95 s; about 4 minutes)
 #   nemotron     Nemotron-H on cuda with mamba_ssm's triton kernels (its wheel carried in .whl):
 #                pytest tests/test_gpu_nemotron_h.py (logits vs transformers), then the tiny
 #                NemotronH example end to end at world size 1 (needs the tiny build under
 #                $PTQ_CACHE_DIR/tiny/NemotronH-MoE-tiny; extra overrides in $NEMOTRON_ARGS)
 #
 # Python packages the image lacks travel as wheels in .whl/ (benchmarks/README.md says which);
-# they are installed with --target into /tmp/site.  Reports land in REPORT_DIR.
+# they are installed with --target into /tmp/site.  Reports land in REPORT_DIR.  ModelOpt's JIT
+# CUDA extensions (FP8 fake quant) build into /tmp/torch_ext; REPORT_DIR/torch_ext.tgz keeps the
+# build, and a .gpu-cache/torch_ext.tgz carried next time is unpacked first (no rebuild).
 set -uo pipefail
-out=${1:?usage: gpu_checks.sh REPORT_DIR [tests] [pipeline] [bench-smoke] [bench] [probe] [cost] [cost-large] [nemotron]}
+out=${1:?usage: gpu_checks.sh REPORT_DIR [tests] [pipeline] [gate] [bench-smoke] [bench] [bench-quick] [probe] [cost] [cost-large] [nemotron]}
 shift
 parts=${*:-tests pipeline}
 mkdir -p "$out"
@@ -37,6 +43,11 @@ else
   export PYTHONPATH=$root
 fi
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export TORCH_EXTENSIONS_DIR=/tmp/torch_ext
+mkdir -p "$TORCH_EXTENSIONS_DIR"
+# -m: the build's files get the current time, newer than the sources pip just installed, so
+# ninja finds them up to date (with their old times it rebuilt: 52 s on 2026-12-02)
+[ -f .gpu-cache/torch_ext.tgz ] && tar -C "$TORCH_EXTENSIONS_DIR" -xzmf .gpu-cache/torch_ext.tgz
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$out/parts.txt"
 python3 -c "import torch, megatron.core, modelopt; print('torch', torch.__version__, 'mcore', megatron.core.__version__, 'modelopt', modelopt.__version__)" | tee -a "$out/parts.txt"
 status=0
@@ -56,12 +67,19 @@ for part in $parts; do
       [ -n "$run" ] && tar -C "$run" -czf "$out/pipeline_run.tgz" --exclude='checkpoint*' --exclude='hf' \
         --exclude='*.safetensors' . ;
       (exit $rc) ;;
+    gate)
+      timeout 150 python3 -m launcher.cli examples/tiny/Qwen3-MoE-tiny/megatron_lm_ptq.yaml \
+        executor.device=cuda 'stages.quantize.parallel={ep:1,world_size:1}' \
+        'stages.mmlu.parallel={ep:1,world_size:1}' stages.export.enabled=false \
+        stages.vllm_smoke.enabled=false runs_root=/tmp/gpu-runs 2>&1 | tee "$out/gate.log" ;;
     bench-smoke)
       timeout 120 python3 benchmarks/mmlu_gpu.py --out "$out/smoke" --fraction 0.01 --moe-fraction 0.005 \
-        --moe-layers 2 --ours 64:8192 --ref-batch-sizes 1,8 2>&1 | tee "$out/bench_smoke.log" ;;
-    bench)
-      timeout 300 python3 benchmarks/mmlu_gpu.py --out "$out/bench" --fraction 0.1 --moe-fraction 0.02 \
-        --moe-layers 4 --ours 64:8192,256:16384,512:32768,1024:65536 --ref-batch-sizes 1,8,32,64 2>&1 | tee "$out/bench.log" ;;
+        --moe-layers 2 --budgets 16384 --ref-batch-sizes 8 --quant nvfp4 2>&1 | tee "$out/bench_smoke.log" ;;
+    bench|bench-quick)
+      refs=1,8,32,64; [ "$part" = bench-quick ] && refs=16,64
+      timeout 540 python3 benchmarks/mmlu_gpu.py --out "$out/bench" --fraction 0.1 --moe-fraction 0.02 \
+        --moe-layers 4 --budgets 16384,32768,65536 --ref-batch-sizes "$refs" --quant nvfp4,fp8 \
+        2>&1 | tee "$out/$part.log" ;;
     probe)
       timeout 120 python3 scripts/gpu_quant_probe.py 2>&1 | tee "$out/probe.log" ;;
     cost)
@@ -83,10 +101,13 @@ for part in $parts; do
       [ -n "$run" ] && tar -C "$run" -czf "$out/nemotron_run.tgz" --exclude='checkpoint*' --exclude='hf' \
         --exclude='*.safetensors' . ;
       [ "$rc_tests" = 0 ] && (exit $rc) ;;
-    *) echo "unknown part '$part' (valid: tests pipeline bench-smoke bench probe cost cost-large nemotron)"; exit 2 ;;
+    *) echo "unknown part '$part' (valid: tests pipeline gate bench-smoke bench bench-quick probe cost cost-large nemotron)"; exit 2 ;;
   esac
   rc=$?   # pipefail: the status of the part's command, not of tee
   echo "== $part: exit $rc in $(( $(date +%s) - t0 )) s" | tee -a "$out/parts.txt"
   [ "$rc" = 0 ] || status=1
 done
+if [ -n "$(ls -A "$TORCH_EXTENSIONS_DIR" 2>/dev/null)" ]; then
+  tar -C "$TORCH_EXTENSIONS_DIR" -czf "$out/torch_ext.tgz" . && ls -la "$out/torch_ext.tgz"
+fi
 exit $status

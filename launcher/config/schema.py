@@ -7,7 +7,7 @@ in ``launcher.config.compose``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from omegaconf import MISSING
 
@@ -122,8 +122,8 @@ class MmluStage:
     dev_dataset: Optional[str] = None  # few-shot source when `dataset` holds no dev split
     fraction: float = 1.0
     few_shots: int = 0
-    batch_size: int = 8
-    max_batch_tokens: Optional[int] = None  # token budget per batch (padded tokens)
+    batch_size: Union[int, str] = "auto"   # auto: CUDA - token budget, no row cap; CPU - 8 rows
+    max_batch_tokens: Optional[int] = None  # token budget per batch (padded tokens); auto: from the device
     max_seq_len: int = 4096
     add_bos: Optional[bool] = None     # None: as lm-evaluation-harness does for the tokenizer
     lower_bound: Optional[float] = None

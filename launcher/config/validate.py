@@ -259,9 +259,12 @@ def _check_mmlu(cfg: DictConfig, err: _Errors, warnings: list[str], check_paths:
                     f"stages.mmlu.baseline=evaluate (or set stages.mmlu.baseline_cache_dir)")
     if m.lower_bound is None and m.max_drop is None:
         warnings.append("stages.mmlu has neither lower_bound nor max_drop: the gate always passes")
-    for k in ("batch_size", "max_seq_len", "collective_timeout_s"):
+    for k in ("max_seq_len", "collective_timeout_s"):
         if m[k] < 1:
             err.add(f"{key}.{k}", m[k], "must be >= 1")
+    if m.batch_size != "auto" and (isinstance(m.batch_size, bool) or not isinstance(m.batch_size, int)
+                                   or m.batch_size < 1):
+        err.add(f"{key}.batch_size", m.batch_size, "valid: 'auto' (token budget from the device) or an integer >= 1")
     if m.few_shots < 0:
         err.add(f"{key}.few_shots", m.few_shots, "must be >= 0")
     if m.max_batch_tokens is not None and m.max_batch_tokens < 1:

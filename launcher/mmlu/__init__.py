@@ -6,7 +6,10 @@ Pure Python (no torch import):
     data.check_source(path, key="stages.mmlu.dataset") -> "hf_dir"|"csv_dir"|"jsonl"|"hub"
     prompts.select_fraction(questions, fraction, seed=None); prompts.build_prompts(qs, dev, k)
     prompts.choice_token_ids(tokenizer); prompts.encode_prompts(prompts, tok, add_bos, max_seq_len)
-    batching.make_batches(lengths, batch_size, max_batch_tokens) -> list[Batch]
+    prompts.encode_texts(tok, texts) (batched); prompts.finish_ids(ids, bos, max_seq_len)
+    token_cache.prompts_and_ids(dataset, dev, fraction, shots, tok, cache_root) -> prompts, ids, info
+    batching.resolve_limits(batch_size, max_batch_tokens, device, ...) -> BatchLimits ("auto")
+    batching.make_batches(lengths, rows, max_batch_tokens, min_fill) / make_batches_for(lengths, limits)
     batching.padding_efficiency(batches)
     sharding.plan_shards(shapes, dims, mode, dispatcher, allow_unsafe) -> ShardPlan
     sharding.resolve_mode(mode, ep, allow_unsafe)
@@ -14,5 +17,6 @@ Pure Python (no torch import):
 Torch side:
     guard.StepGuard / guard.make_groups / guard.DesyncError (exit code EXIT_DESYNC)
     evaluate.run_plan / evaluate.evaluate_model / evaluate.gather_to_rank0
+    evaluate.prepare_model_for_eval (fold weight quantizers, grouped experts) / release_model_after_eval
 The stage itself is ``launcher.stages.mmlu`` (``prepare``, ``build_results``, ``run``).
 """

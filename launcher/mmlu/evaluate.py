@@ -130,3 +130,34 @@ def evaluate_model(model, prepared, dims, rank: int, mode: str = "auto",
     if merged is not None and len(merged) != len(prepared.prompts):
         raise AssertionError(f"gathered {len(merged)} results for {len(prepared.prompts)} prompts")
     return merged, plan, run
+
+
+def prepare_model_for_eval(model, log: Optional[Callable[[str], None]] = None) -> dict:
+    """Fold constant weight quantization (``launcher.megatron.fold``), then run the MoE experts as
+    grouped GEMMs (``launcher.megatron.grouped_experts``).  Predictions are unchanged: on CPU both
+    are bit-exact (tests/test_eval_fast_paths.py); on a GPU the grouped GEMM kernel sums in
+    another order than the per-expert matmuls (benchmarks/mmlu_gpu.py counts the changes).
+    Call ``release_model_after_eval`` before loading a checkpoint into the same model."""
+    from launcher.megatron.fold import fold_weight_quantizers
+    from launcher.megatron.grouped_experts import enable_grouped_experts
+
+    t = time.time()
+    folded = fold_weight_quantizers(model)
+    grouped = enable_grouped_experts(model)
+    report = {"folded_weight_quantizers": folded["folded"], "not_folded_shared": folded["skipped_shared"],
+              "grouped_expert_layers": len(grouped["grouped"]), "expert_layers_kept": grouped["kept"],
+              "expert_input_quantization": sorted({v for q in grouped["input_quantization"].values()
+                                                   for v in q.values()}),
+              "seconds": time.time() - t}
+    if log is not None:
+        kept = f"; kept per-expert loop: {grouped['kept']}" if grouped["kept"] else ""
+        log(f"eval model: {folded['folded']} weight quantizers folded, {len(grouped['grouped'])} MoE layers "
+            f"grouped (expert input quantization: {report['expert_input_quantization']}){kept}")
+    return report
+
+
+def release_model_after_eval(model) -> None:
+    """Undo ``prepare_model_for_eval``'s forward change (folded weights stay folded)."""
+    from launcher.megatron.grouped_experts import disable_grouped_experts
+
+    disable_grouped_experts(model)

@@ -94,7 +94,7 @@ def select_fraction(questions: Sequence[Question], fraction: float,
     return out
 
 
-# --- tokenizer side (duck-typed: any object with encode(text, add_special_tokens=...)) --------
+# --- tokenizer side (duck-typed: encode(text, add_special_tokens=...); fast ones are batched) ----
 
 def choice_token_ids(tokenizer) -> list[int]:
     """Last token of the encoding of " A" .. " D" (lm-eval's continuation " X")."""
@@ -109,23 +109,47 @@ def choice_token_ids(tokenizer) -> list[int]:
     return ids
 
 
-def encode_prompts(prompts: Sequence[Prompt], tokenizer, add_bos: Optional[bool] = None,
-                   max_seq_len: Optional[int] = None) -> tuple[list[list[int]], int]:
-    """Token ids per prompt and the number of prompts left-truncated to ``max_seq_len`` (as
-    lm-eval does: the end of the prompt, where the answer is scored, is kept)."""
-    bos = None
-    if add_bos:
-        bos = getattr(tokenizer, "bos_token_id", None)
-        if bos is None:
-            raise ValueError("stages.mmlu.add_bos=true but the tokenizer has no BOS token; "
-                             "valid: null (lm-eval default: no BOS) or false")
+def encode_texts(tokenizer, texts: Sequence[str]) -> list[list[int]]:
+    """Token ids of each text without special tokens, in one batched call when the tokenizer is
+    a fast (Rust) one - the same ids as ``tokenizer.encode(text, add_special_tokens=False)``
+    text by text (tests/test_mmlu_tokens.py checks it), several times faster."""
+    texts = list(texts)
+    if not texts:
+        return []
+    if getattr(tokenizer, "is_fast", False):
+        enc = tokenizer(texts, add_special_tokens=False, return_attention_mask=False,
+                        return_token_type_ids=False)["input_ids"]
+        return [list(map(int, ids)) for ids in enc]
+    return [[int(t) for t in tokenizer.encode(text, add_special_tokens=False)] for text in texts]
+
+
+def bos_id(tokenizer, add_bos: Optional[bool]) -> Optional[int]:
+    """The BOS id to prepend (``add_bos`` true), None otherwise; error when there is none."""
+    if not add_bos:
+        return None
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        raise ValueError("stages.mmlu.add_bos=true but the tokenizer has no BOS token; "
+                         "valid: null (lm-eval default: no BOS) or false")
+    return int(bos)
+
+
+def finish_ids(raw: Sequence[Sequence[int]], bos: Optional[int] = None,
+               max_seq_len: Optional[int] = None) -> tuple[list[list[int]], int]:
+    """Prepend ``bos`` and left-truncate to ``max_seq_len`` (as lm-eval does: the end of the
+    prompt, where the answer is scored, is kept); returns the ids and how many were truncated."""
     out, truncated = [], 0
-    for p in prompts:
-        ids = [int(t) for t in tokenizer.encode(p.text, add_special_tokens=False)]
-        if bos is not None:
-            ids = [int(bos)] + ids
+    for ids in raw:
+        ids = list(ids) if bos is None else [bos, *ids]
         if max_seq_len and len(ids) > max_seq_len:
             ids = ids[-max_seq_len:]
             truncated += 1
         out.append(ids)
     return out, truncated
+
+
+def encode_prompts(prompts: Sequence[Prompt], tokenizer, add_bos: Optional[bool] = None,
+                   max_seq_len: Optional[int] = None) -> tuple[list[list[int]], int]:
+    """Token ids per prompt and the number of prompts left-truncated to ``max_seq_len``."""
+    bos = bos_id(tokenizer, add_bos)
+    return finish_ids(encode_texts(tokenizer, [p.text for p in prompts]), bos, max_seq_len)

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional
 
 from launcher.mmlu import gate as gate_mod
-from launcher.mmlu.batching import Batch, make_batches, padding_efficiency
-from launcher.mmlu.data import LETTERS, Question, load_dev, load_mmlu
+from launcher.mmlu.batching import Batch, BatchLimits, make_batches_for, padding_efficiency, resolve_limits
+from launcher.mmlu.data import LETTERS
 from launcher.mmlu.paired import compare
-from launcher.mmlu.prompts import Prompt, build_prompts, choice_token_ids, encode_prompts, select_fraction
+from launcher.mmlu.prompts import Prompt, bos_id, choice_token_ids, finish_ids
+from launcher.mmlu.token_cache import prompts_and_ids
 from launcher.stages.context import EXIT_GATE_FAILED, StageContext, StageFailed, write_json_atomic
 
 
@@ -33,6 +34,8 @@ class Prepared:
     choice_ids: list[int]
     pad_id: int
     truncated: int
+    limits: Optional[BatchLimits] = None
+    token_cache: Optional[dict] = None
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False):
@@ -49,18 +52,50 @@ def pad_token_id(tokenizer) -> int:
     return 0
 
 
-def prepare(scfg, tokenizer) -> Prepared:
-    """Questions -> prompts -> token ids -> batches (pure Python given a tokenizer)."""
-    questions = load_mmlu(scfg.dataset, "test")
-    if not questions:
+def prepare(scfg, tokenizer, limits: Optional[BatchLimits] = None,
+            cache_root: Optional[str] = None) -> Prepared:
+    """Questions -> prompts -> token ids -> batches (pure Python given a tokenizer).
+
+    ``limits``: the resolved batch limits (``batch_limits``); default: ``batch_size`` /
+    ``max_batch_tokens`` resolved for CPU.  ``cache_root``: where the prompts and token ids are
+    cached (``launcher.mmlu.token_cache``); None: no cache.
+    """
+    prompts, raw_ids, cache_info = prompts_and_ids(scfg.dataset, scfg.dev_dataset, scfg.fraction,
+                                                   scfg.few_shots, tokenizer, cache_root)
+    if not prompts:
         raise StageFailed(f"stages.mmlu.dataset={scfg.dataset!r} holds no test questions")
-    questions = select_fraction(questions, scfg.fraction)
-    dev: Sequence[Question] = load_dev(scfg.dataset, scfg.dev_dataset) if scfg.few_shots else ()
-    prompts = build_prompts(questions, dev, scfg.few_shots)
-    token_ids, truncated = encode_prompts(prompts, tokenizer, scfg.add_bos, scfg.max_seq_len)
-    batches = make_batches([len(t) for t in token_ids], scfg.batch_size, scfg.max_batch_tokens)
+    token_ids, truncated = finish_ids(raw_ids, bos_id(tokenizer, scfg.add_bos), scfg.max_seq_len)
+    if limits is None:
+        limits = resolve_limits(scfg.batch_size, scfg.max_batch_tokens, "cpu")
+    batches = make_batches_for([len(t) for t in token_ids], limits)
     return Prepared(prompts, token_ids, batches, choice_token_ids(tokenizer), pad_token_id(tokenizer),
-                    truncated)
+                    truncated, limits, cache_info)
+
+
+def batch_limits(scfg, device: str, hf_path: str) -> BatchLimits:
+    """``stages.mmlu.batch_size``/``max_batch_tokens`` resolved for ``device`` (auto on CUDA reads
+    the device's memory and the model's dimensions from config.json)."""
+    from launcher.mmlu.batching import AUTO, activation_bytes_per_token
+
+    mem = per_token = None
+    moe = False
+    if scfg.batch_size == AUTO and device == "cuda":
+        import torch
+
+        from launcher.megatron.models import read_hf_config
+
+        hf = read_hf_config(hf_path)
+        topk = int(hf.get("num_experts_per_tok") or 0)
+        moe = topk > 0
+        mem = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            every = [None] * torch.distributed.get_world_size()   # one budget, one shard plan
+            torch.distributed.all_gather_object(every, mem)
+            mem = min(every)
+        per_token = activation_bytes_per_token(
+            hf["hidden_size"], hf.get("intermediate_size") or 4 * hf["hidden_size"], topk,
+            int(hf.get("moe_intermediate_size") or 0))
+    return resolve_limits(scfg.batch_size, scfg.max_batch_tokens, device, mem, per_token, moe)
 
 
 def build_results(prepared: Prepared, results: dict, scfg, decision: gate_mod.GateDecision,
@@ -96,7 +131,8 @@ def build_results(prepared: Prepared, results: dict, scfg, decision: gate_mod.Ga
         "per_subject": subjects, "questions": per_q,
         "shard_mode": plan.mode, "plan": summary,
         "batches": {"count": len(prepared.batches), "batch_size": scfg.batch_size,
-                    "max_batch_tokens": scfg.max_batch_tokens},
+                    "max_batch_tokens": scfg.max_batch_tokens,
+                    "resolved": prepared.limits.summary() if prepared.limits else None},
         "padding_efficiency": eff, "padding_efficiency_with_plan": eff_plan,
         "timings": timings or {},
     }
@@ -179,26 +215,32 @@ def run(ctx: StageContext) -> None:
     from launcher.megatron.checkpoint import load_checkpoint
     from launcher.megatron.hf_io import import_hf_weights
     from launcher.megatron.models import build_model
-    from launcher.mmlu.evaluate import broadcast_from_rank0, evaluate_model
+    from launcher.mmlu.evaluate import (broadcast_from_rank0, evaluate_model, prepare_model_for_eval,
+                                        release_model_after_eval)
 
     scfg, cfg = ctx.stage_cfg, ctx.cfg
     gate_mod.check_gate_config(scfg.lower_bound, scfg.max_drop, scfg.baseline, scfg.baseline_accuracy)
     timings: dict[str, float] = {}
     t0 = time.time()
+    from launcher.config.compose import cache_dir
+
     tokenizer = load_tokenizer(cfg.model.path, bool(cfg.model.get("trust_remote_code", False)))
-    prepared = prepare(scfg, tokenizer)
+    prepared = prepare(scfg, tokenizer, batch_limits(scfg, ctx.device, cfg.model.path), cache_dir())
     timings["prepare_s"] = time.time() - t0
+    if prepared.token_cache.get("error"):
+        ctx.warn(prepared.token_cache["error"])
     if prepared.truncated:
         ctx.warn(f"{prepared.truncated} prompt(s) longer than stages.mmlu.max_seq_len="
                  f"{scfg.max_seq_len} were left-truncated (the question end is kept)")
-    ctx.log(f"{len(prepared.prompts)} questions, {len(prepared.batches)} batches, padding "
-            f"efficiency {padding_efficiency(prepared.batches):.3f}, shard_mode={scfg.shard_mode}")
+    ctx.log(f"{len(prepared.prompts)} questions, {len(prepared.batches)} batches ({prepared.limits.summary()}), "
+            f"padding efficiency {padding_efficiency(prepared.batches):.3f}, shard_mode={scfg.shard_mode}, "
+            f"token cache {prepared.token_cache.get('cache')}")
 
     t = time.time()
     dtype = cfg.stages.quantize.get("dtype", "bfloat16")
     cached = _baseline_lookup(ctx, prepared, dtype) if scfg.baseline in gate_mod.PER_QUESTION_BASELINES else None
     model = build_model(cfg.model.path, ctx.dims, ctx.device, dtype, scfg.moe_dispatcher,
-                        bool(cfg.model.get("trust_remote_code", False)))
+                        bool(cfg.model.get("trust_remote_code", False)), eval_kernels=ctx.device == "cuda")
     quantized = bool(cfg.stages.quantize.enabled)
     evaluate_base = scfg.baseline == "evaluate" and not cached["hit"]
     if not quantized or evaluate_base:
@@ -211,12 +253,15 @@ def run(ctx: StageContext) -> None:
     baseline = None
     if evaluate_base and quantized:
         t = time.time()
+        prepare_model_for_eval(model, ctx.log)
         baseline, _, _ = evaluate_model(model, prepared, label="baseline", **common)
+        release_model_after_eval(model)
         timings["baseline_eval_s"] = time.time() - t
     if quantized:
         t = time.time()
         load_checkpoint(model, ctx.path("quantize", "checkpoint"))
         timings["load_checkpoint_s"] = time.time() - t
+    timings["fold_and_group_s"] = prepare_model_for_eval(model, ctx.log)["seconds"]
     t = time.time()
     results, plan, local = evaluate_model(model, prepared, label="quantized" if quantized else "", **common)
     timings["eval_s"] = time.time() - t
