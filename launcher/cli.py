@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 EXIT_USAGE = 2
-_VALUE_FLAGS = {"--resume", "--run-id", "--test-level", "--junit", "--summary", "--recipe", "--source", "--runs-root"}
+_VALUE_FLAGS = {"--resume", "--run-id", "--test-level", "--junit", "--summary", "--recipe", "--source", "--runs-root",
+                "--exclude"}
 _BOOL_FLAGS = {"--dry-run", "--json", "--preflight", "--detach", "--no-check-paths", "--help", "-h"}
 
 
@@ -195,7 +196,8 @@ class VerifyVerb:
 
 
 class SuiteVerb:
-    """`launch suite EXAMPLES_DIR [--test-level N] [--junit FILE] [--summary FILE]`: the nightly suite."""
+    """`launch suite EXAMPLES_DIR [--test-level N] [--junit FILE] [--summary FILE] [--exclude GLOB,...]`:
+    the nightly suite."""
 
     def __call__(self, args: Args) -> int:
         from launcher.suite import run_suite
@@ -204,7 +206,8 @@ class SuiteVerb:
             raise ValueError("usage: launch suite EXAMPLES_DIR [--test-level N] [--junit FILE]")
         return run_suite(args.positional[0], test_level=int(args.flag("--test-level", 0)),
                          junit=args.flag("--junit"), summary=args.flag("--summary"),
-                         overrides=args.positional[1:])
+                         overrides=args.positional[1:],
+                         exclude=[p for p in str(args.flag("--exclude") or "").split(",") if p])
 
 
 VERBS = {"validate": ValidateVerb, "status": StatusVerb, "verify": VerifyVerb, "suite": SuiteVerb}
