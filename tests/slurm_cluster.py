@@ -95,9 +95,11 @@ class SlurmCluster:
         self.cpus = cpus
         self.start_timeout_s = start_timeout_s
         self.conf = os.path.join(self.root, "slurm.conf")
+        self.nodes = ["localhost"]
         self.procs: dict[str, subprocess.Popen] = {}
         self.first_job_id = 1000 + int(time.time()) % 50_000_000
         self._saved_env: Optional[str] = None
+        self._published = False
         self._old_sigterm: Any = None
         self._stopped = False
         self.started = False
@@ -128,10 +130,15 @@ class SlurmCluster:
         ctld_port, d_port = _free_port(), _free_port()
         while d_port == ctld_port:
             d_port = _free_port()
+        lines = self._common_conf_lines(ctld_port, d_port) + self._host_conf_lines()
+        with open(self.conf, "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+    def _common_conf_lines(self, ctld_port: int, d_port: int) -> list[str]:
+        r = self.root
         user = "root" if os.geteuid() == 0 else os.environ.get("USER", "root")
-        lines = [
+        return [
             "ClusterName=localci",
-            "SlurmctldHost=localhost(127.0.0.1)",
             f"SlurmUser={user}",
             f"SlurmdUser={user}",
             f"SlurmctldPort={ctld_port}",
@@ -140,11 +147,8 @@ class SlurmCluster:
             "CredType=cred/munge",
             f"AuthInfo=socket={r}/munge/munge.socket.2",
             f"StateSaveLocation={r}/ctld",
-            f"SlurmdSpoolDir={r}/d",
             f"SlurmctldPidFile={r}/slurmctld.pid",
-            f"SlurmdPidFile={r}/slurmd.pid",
             f"SlurmctldLogFile={r}/log/slurmctld.log",
-            f"SlurmdLogFile={r}/log/slurmd.log",
             "ProctrackType=proctrack/linuxproc",
             "TaskPlugin=task/none",
             "JobAcctGatherType=jobacct_gather/none",
@@ -159,15 +163,23 @@ class SlurmCluster:
             "ReturnToService=2",
             "SlurmdParameters=config_overrides",
             "MinJobAge=3600",
-            "KillWait=5",
             "InactiveLimit=0",
             "Waittime=0",
             f"FirstJobId={self.first_job_id}",
+        ]
+
+    def _host_conf_lines(self) -> list[str]:
+        """Where the controller and the node live: everything on loopback, one node."""
+        r = self.root
+        return [
+            "SlurmctldHost=localhost(127.0.0.1)",
+            f"SlurmdSpoolDir={r}/d",
+            f"SlurmdPidFile={r}/slurmd.pid",
+            f"SlurmdLogFile={r}/log/slurmd.log",
+            "KillWait=5",
             f"NodeName=localhost NodeAddr=127.0.0.1 CPUs={self.cpus} RealMemory={_mem_total_mb()} State=UNKNOWN",
             "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES",
         ]
-        with open(self.conf, "w") as f:
-            f.write("\n".join(lines) + "\n")
 
     def _spawn(self, name: str, argv: list[str]) -> None:
         log = open(os.path.join(self.root, "log", f"{name}.out"), "ab")
@@ -208,19 +220,38 @@ class SlurmCluster:
                                "-S", sock, "--pid-file", f"{r}/munge/munged.pid",
                                "--log-file", f"{r}/log/munged.log", "--seed-file", f"{r}/munge/seed"])
         self._wait("munged socket", lambda: os.path.exists(sock))
-        self._spawn("slurmctld", [_which("slurmctld"), "-D", "-i", "-f", self.conf])
+        self._spawn("slurmctld", [*self.host_prefix(None), _which("slurmctld"), "-D", "-i", "-f", self.conf])
         self._wait("slurmctld", lambda: self.run("scontrol", "ping", check=False).returncode == 0
                    and "UP" in self.run("scontrol", "ping", check=False).stdout)
-        self._spawn("slurmd", [_which("slurmd"), "-D", "-N", "localhost", "-f", self.conf])
-        self._wait("node idle", self._node_idle)
-        self._saved_env = os.environ.get("SLURM_CONF")
-        os.environ["SLURM_CONF"] = self.conf
+        for node in self.nodes:
+            self._spawn(self._slurmd(node), [*self.host_prefix(node), _which("slurmd"), "-D", "-N", node,
+                                             "-f", self.conf])
+        self._wait("nodes idle", self._nodes_idle)
+        self._publish_env()
         self.started = True
         return self
 
-    def _node_idle(self) -> bool:
-        out = self.run("sinfo", "-h", "-N", "-o", "%T", check=False).stdout.strip().lower()
-        return out.startswith("idle") or out.startswith("mixed")
+    def host_prefix(self, node: Optional[str]) -> list[str]:
+        """argv prefix that runs a command on ``node`` (None: the controller); none on one host."""
+        return []
+
+    def _slurmd(self, node: str) -> str:
+        return "slurmd"
+
+    def _publish_env(self) -> None:
+        """Export SLURM_CONF for the whole session: in-process clients (the executor) find the cluster."""
+        self._saved_env = os.environ.get("SLURM_CONF")
+        os.environ["SLURM_CONF"] = self.conf
+        self._published = True
+
+    def node_states(self) -> dict[str, str]:
+        """{node: state in lower case} from sinfo (idle, mixed, allocated, down*, ...)."""
+        out = self.run("sinfo", "-h", "-N", "-o", "%N %T", check=False).stdout
+        return dict(line.split()[:2] for line in out.lower().splitlines() if len(line.split()) >= 2)
+
+    def _nodes_idle(self) -> bool:
+        states = self.node_states()
+        return all(states.get(n, "").startswith(("idle", "mixed")) for n in self.nodes)
 
     def job_ids(self, states: str = "all") -> list[str]:
         out = self.run("squeue", "-h", "-t", states, "-o", "%i", check=False).stdout.split()
@@ -243,7 +274,7 @@ class SlurmCluster:
                         time.sleep(0.5)
             except Exception:  # a broken controller must not prevent the daemons from stopping
                 pass
-        for name in ("slurmd", "slurmctld", "munged"):
+        for name in [*(self._slurmd(n) for n in self.nodes), "slurmctld", "munged"]:
             p = self.procs.get(name)
             if p is None or p.poll() is not None:
                 continue
@@ -256,12 +287,18 @@ class SlurmCluster:
         if self._old_sigterm is not None and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._old_sigterm)
             self._old_sigterm = None
+        self._unpublish_env()
+        self.started = False
+        self._stopped = True
+
+    def _unpublish_env(self) -> None:
+        if not self._published:
+            return
+        self._published = False
         if self._saved_env is None:
             os.environ.pop("SLURM_CONF", None)
         else:
             os.environ["SLURM_CONF"] = self._saved_env
-        self.started = False
-        self._stopped = True
 
     def cleanup(self) -> None:
         """stop(), then remove the private directory (only when this object created it)."""
@@ -271,7 +308,9 @@ class SlurmCluster:
 
     def logs_tail(self, n: int = 30) -> str:
         out = []
-        for name in ("munged.log", "slurmctld.log", "slurmd.log", "munged.out", "slurmctld.out", "slurmd.out"):
+        d = [self._slurmd(n) for n in self.nodes]
+        for name in ["munged.log", "slurmctld.log", *(f"{x}.log" for x in d), "munged.out", "slurmctld.out",
+                     *(f"{x}.out" for x in d)]:
             p = os.path.join(self.root, "log", name)
             if os.path.exists(p):
                 with open(p, errors="replace") as f:
