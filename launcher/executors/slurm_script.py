@@ -16,10 +16,13 @@ One script per stage::
     setup lines       verbatim (module load ..., source ...)
     rendezvous        MASTER_ADDR = first host of the allocation (``hostname`` inside a job is
                       not the node name), MASTER_PORT = executor.master_port, or derived from the
-                      job id when master_port is 0 (jobs sharing a node never collide)
+                      job id when master_port is 0 (jobs sharing a node never collide); the worker
+                      derives the same two from srun's variables when they are missing
+                      (slurm_env.rendezvous_defaults)
     srun              --ntasks=world, --kill-on-bad-exit (one dead rank ends the stage instead of
                       hanging its peers), pyxis --container-image/--container-mounts when set,
-                      then the stage's argv; each rank reads SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID
+                      then the stage's argv; each rank reads SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID/
+                      SLURM_NODEID (launcher/megatron/dist.rank_env)
 """
 from __future__ import annotations
 
@@ -29,12 +32,11 @@ import shlex
 from typing import Any, Mapping, Optional, Sequence
 
 from launcher.executors.base import StagePlan
+from launcher.executors.slurm_env import DERIVED_PORT_BASE, DERIVED_PORT_SPAN
 from launcher.rundir import SECRET_NAME  # one rule for what is a secret: config.yaml masks the same names
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _TIME = re.compile(r"^((\d+-)?\d+(:\d{1,2}){0,2}|UNLIMITED|INFINITE)$", re.IGNORECASE)
-DERIVED_PORT_BASE = 20000
-DERIVED_PORT_SPAN = 20000
 
 
 class ScriptError(ValueError):
