@@ -58,6 +58,9 @@ CASES = {
     # site flags passed through verbatim (keys proposed for SlurmExecutorConfig)
     "site_args": (_plan("quantize", 8), _cfg(nodes=2, gpus_per_node=4, sbatch_args=["--exclusive", "--constraint=h100"],
                                             srun_args=["--mpi=pmix", "--cpu-bind=none"])),
+    # what the two-node test cluster runs (tests/test_slurm_multinode.py): CPU, 2 nodes x 2 ranks
+    "cpu_2nodes": (_plan("mmlu", 4), _cfg(nodes=2, partition="debug", time="00:10:00", env={"PYTHONPATH": "/src"},
+                                          master_port=0)),
 }
 
 
@@ -97,6 +100,20 @@ def test_render_is_pure():
 def test_errors_name_the_key(kv, plan, match):
     with pytest.raises(ScriptError, match=match):
         render_sbatch(plan, _cfg(**kv), RUN_DIR)
+
+
+def test_stage_with_fewer_ranks_than_nodes_runs_on_fewer_nodes():
+    """vllm_smoke (one rank) in a two-node pipeline: one node, not an error."""
+    text = render_sbatch(_plan("vllm_smoke", 1), _cfg(nodes=2), RUN_DIR)
+    assert "#SBATCH --nodes=1\n#SBATCH --ntasks-per-node=1\n" in text
+    assert "srun --ntasks=1 --ntasks-per-node=1 " in text
+    text = render_sbatch(_plan("export", 2), _cfg(nodes=4), RUN_DIR)
+    assert "#SBATCH --nodes=2\n#SBATCH --ntasks-per-node=1\n" in text
+
+
+def test_site_requeue_overrides_no_requeue():
+    text = render_sbatch(_plan(), _cfg(sbatch_args=["--requeue"]), RUN_DIR)
+    assert text.index("#SBATCH --no-requeue") < text.index("#SBATCH --requeue")
 
 
 def test_dependency_spec():
@@ -211,3 +228,17 @@ def test_rendezvous_defaults_match_the_script():
     assert rendezvous_defaults({**srun, "RANK": "3"}) == {}          # torchrun / the local agent set it
     assert rendezvous_defaults({"SLURM_JOB_ID": "7"}) == {}          # inside an allocation, not under srun
 
+
+def test_validate_refuses_nodes_that_do_not_split_a_stage():
+    """Before anything is submitted: executor.nodes must split each stage's ranks (vllm_smoke's one
+    rank runs on one node, so nodes=2 is fine for the tiny example; 3 is not)."""
+    from launcher.config.compose import ConfigError, compose_example
+    from launcher.config.validate import validate
+
+    tiny = os.path.join(os.path.dirname(GOLDEN), "..", "examples", "tiny", "Qwen3-MoE-tiny", "megatron_lm_ptq.yaml")
+    validate(compose_example(tiny, ["executor=slurm", "executor.nodes=2"]), check_paths=False)
+    with pytest.raises(ConfigError) as e:
+        validate(compose_example(tiny, ["executor=slurm", "executor.nodes=3"]), check_paths=False)
+    lines = [ln for ln in str(e.value).splitlines() if "executor.nodes=3" in ln]
+    assert [ln.split(": ", 1)[1].split(" has ")[0] for ln in lines] == ["stages.quantize", "stages.mmlu", "stages.export"]
+    assert "4 ranks, which do not split evenly over 3 nodes (valid: 1, 2, 4)" in lines[0]
