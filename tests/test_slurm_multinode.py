@@ -1,6 +1,6 @@
-"""Two Slurm nodes on one machine (tests/slurm_cluster.py MultiNodeSlurmCluster: one network
-namespace per node): ranks spread over nodes, a gloo group across them, the tiny pipeline at
-EP4 / PP4 over both nodes, and three faults across nodes, each followed by ``launch --resume``.
+"""Two Slurm nodes on one machine (tests/slurm_multinode_cluster.py: a network namespace per node):
+ranks spread over nodes, a gloo group across them, the tiny pipeline at EP4 / PP4 over both
+nodes, and three faults across nodes, each followed by ``launch --resume``.
 """
 from __future__ import annotations
 
@@ -16,10 +16,12 @@ from typing import Optional
 import pytest
 
 try:
-    from slurm_cluster import slurm_cluster, slurm_multinode  # noqa: F401
+    from slurm_cluster import slurm_cluster  # noqa: F401
+    from slurm_multinode_cluster import slurm_multinode  # noqa: F401
     from slurm_runs import Launch, compare_outputs, read_json, tiny_single_node_run  # noqa: F401
 except ImportError:  # pragma: no cover
-    from tests.slurm_cluster import slurm_cluster, slurm_multinode  # noqa: F401
+    from tests.slurm_cluster import slurm_cluster  # noqa: F401
+    from tests.slurm_multinode_cluster import slurm_multinode  # noqa: F401
     from tests.slurm_runs import Launch, compare_outputs, read_json, tiny_single_node_run  # noqa: F401
 
 try:
