@@ -99,8 +99,11 @@ def _run_stage(stage, ctx, cfg, run_dir, rank, world, device, t0, shutdown) -> i
     except StageFailed as e:
         print(f"[{stage} r{rank}] STAGE FAILED: {e}", file=sys.stderr, flush=True)
         _flush_and_exit(e.exit_code)
-    except Exception:  # noqa: BLE001 - every rank reports its own traceback, then exits non-zero
-        print(f"[{stage} r{rank}] STAGE FAILED with an exception:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+    except Exception as e:  # noqa: BLE001 - every rank reports its own traceback, then exits non-zero
+        # the first line says what (the Slurm executor reports it): e.g. gloo's "Connection closed by peer [addr]"
+        what = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
+        print(f"[{stage} r{rank}] STAGE FAILED with an exception: {what}\n{traceback.format_exc()}",
+              file=sys.stderr, flush=True)
         _flush_and_exit(EXIT_FAILED)
     if rank == 0:
         write_manifest(run_dir, cfg, stage, {"duration_s": round(time.time() - t0, 2), "world_size": world,
