@@ -167,6 +167,11 @@ def _run_slurm(cfg: DictConfig, run: RunDirectory, plans: list[StagePlan], detac
         _record_stage_outcome(run, plan.name, state, code)
         if state != COMPLETED:
             run.update_stage(plan.name, reason=f"Slurm state {state}" + (f": {EXIT_REASONS[code]}" if code in EXIT_REASONS else ""))
+            errors = executor.failure_lines(plan.name)   # which task, node or rank failed, from the log
+            if errors:
+                run.update_stage(plan.name, errors=errors)
+                for line in errors:
+                    print(f"[launch] {plan.name}: {line}", flush=True)
             final_code = final_code or code or 1
     run.update_run(status="completed" if final_code == 0 else "failed", ended=time.time(), exit_code=final_code)
     _print_summary(run)

@@ -36,13 +36,18 @@ def main(argv: list[str]) -> int:
     stage, run_dir = argv[0], os.path.abspath(argv[1])
     preflight_only = "--preflight-only" in argv[2:]
     # Environment first: set by the local agent, or derived from srun's.
+    from launcher.executors.slurm_env import rendezvous_defaults
     from launcher.megatron.dist import rank_env  # no torch import at module level
 
     env = rank_env()
     rank, world, local_rank = env["rank"], env["world_size"], env["local_rank"]
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local_rank))
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29500")
+    for name, value in rendezvous_defaults(os.environ).items():   # under srun: first node, job-id port
+        os.environ.setdefault(name, value)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local_rank),
+                      NODE_RANK=str(env["node_rank"]))
+    if env["num_nodes"] == 1:   # across nodes, loopback is never right: init_distributed says what is missing
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
 
     from omegaconf import OmegaConf
 
@@ -69,7 +74,12 @@ def main(argv: list[str]) -> int:
     try:
         mdist.init_distributed(dims, device, max(timeout_s, float(cfg.executor.collective_timeout_s)), cfg.seed)
         run_preflight(dims, rank)
-        ctx.log(f"preflight ok: {dims.describe()} on {device} ({time.time() - t0:.1f}s)")
+        where = ""
+        if env["num_nodes"] > 1:
+            gloo = os.environ.get("GLOO_SOCKET_IFNAME")
+            where = (f" across {env['num_nodes']} nodes (master {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+                     + (f", gloo via {gloo})" if gloo and device == "cpu" else ")"))
+        ctx.log(f"preflight ok: {dims.describe()} on {device}{where} ({time.time() - t0:.1f}s)")
     except (PreflightError, RuntimeError, ValueError) as e:
         print(f"[{stage} r{rank}] PREFLIGHT FAILED: {e}", file=sys.stderr, flush=True)
         return EXIT_PREFLIGHT
@@ -89,8 +99,11 @@ def _run_stage(stage, ctx, cfg, run_dir, rank, world, device, t0, shutdown) -> i
     except StageFailed as e:
         print(f"[{stage} r{rank}] STAGE FAILED: {e}", file=sys.stderr, flush=True)
         _flush_and_exit(e.exit_code)
-    except Exception:  # noqa: BLE001 - every rank reports its own traceback, then exits non-zero
-        print(f"[{stage} r{rank}] STAGE FAILED with an exception:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+    except Exception as e:  # noqa: BLE001 - every rank reports its own traceback, then exits non-zero
+        # the first line says what (the Slurm executor reports it): e.g. gloo's "Connection closed by peer [addr]"
+        what = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
+        print(f"[{stage} r{rank}] STAGE FAILED with an exception: {what}\n{traceback.format_exc()}",
+              file=sys.stderr, flush=True)
         _flush_and_exit(EXIT_FAILED)
     if rank == 0:
         write_manifest(run_dir, cfg, stage, {"duration_s": round(time.time() - t0, 2), "world_size": world,

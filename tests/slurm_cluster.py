@@ -1,4 +1,4 @@
-"""A real single-node Slurm cluster for tests: munge + slurmctld + slurmd on loopback.
+"""Real Slurm clusters for tests: munge + slurmctld + slurmd, one node on loopback or several nodes.
 
 Use the session fixture ``slurm_cluster`` (import it into a test module or a conftest; several
 importers share one cluster)::
@@ -7,6 +7,11 @@ importers share one cluster)::
 
     def test_x(slurm_cluster, tmp_path):
         states = slurm_cluster.run_plans(plans, str(tmp_path))   # submit + follow, returns states
+
+Multi-node mode (tests/slurm_multinode_cluster.py): the module fixture ``slurm_multinode``
+(``MultiNodeSlurmCluster``, 2 nodes), each slurmd in its own network namespace, spool and log, the
+controller in a hub namespace that is also the login node (tests/slurm_netns.py); it skips,
+saying why, where namespaces cannot be made.
 
 Everything lives under a private temporary directory (config, munge key and socket, state, spool,
 logs); ports are free ports of 127.0.0.1; ``FirstJobId`` is derived from the clock so job ids
@@ -17,7 +22,7 @@ terminate + wait; every job of the cluster is cancelled first so no ``slurmstepd
 it) and restored afterwards.  When the binaries are absent the fixture skips with the install
 command (``scripts/install_slurm.sh``).
 
-Run ``python tests/slurm_cluster.py`` to start a cluster by hand (Ctrl-C stops it).
+Run ``python tests/slurm_cluster.py [--nodes 2]`` to start a cluster by hand (Ctrl-C stops it).
 """
 from __future__ import annotations
 
@@ -95,9 +100,11 @@ class SlurmCluster:
         self.cpus = cpus
         self.start_timeout_s = start_timeout_s
         self.conf = os.path.join(self.root, "slurm.conf")
+        self.nodes = ["localhost"]
         self.procs: dict[str, subprocess.Popen] = {}
         self.first_job_id = 1000 + int(time.time()) % 50_000_000
         self._saved_env: Optional[str] = None
+        self._published = False
         self._old_sigterm: Any = None
         self._stopped = False
         self.started = False
@@ -128,10 +135,15 @@ class SlurmCluster:
         ctld_port, d_port = _free_port(), _free_port()
         while d_port == ctld_port:
             d_port = _free_port()
+        lines = self._common_conf_lines(ctld_port, d_port) + self._host_conf_lines()
+        with open(self.conf, "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+    def _common_conf_lines(self, ctld_port: int, d_port: int) -> list[str]:
+        r = self.root
         user = "root" if os.geteuid() == 0 else os.environ.get("USER", "root")
-        lines = [
+        return [
             "ClusterName=localci",
-            "SlurmctldHost=localhost(127.0.0.1)",
             f"SlurmUser={user}",
             f"SlurmdUser={user}",
             f"SlurmctldPort={ctld_port}",
@@ -140,11 +152,8 @@ class SlurmCluster:
             "CredType=cred/munge",
             f"AuthInfo=socket={r}/munge/munge.socket.2",
             f"StateSaveLocation={r}/ctld",
-            f"SlurmdSpoolDir={r}/d",
             f"SlurmctldPidFile={r}/slurmctld.pid",
-            f"SlurmdPidFile={r}/slurmd.pid",
             f"SlurmctldLogFile={r}/log/slurmctld.log",
-            f"SlurmdLogFile={r}/log/slurmd.log",
             "ProctrackType=proctrack/linuxproc",
             "TaskPlugin=task/none",
             "JobAcctGatherType=jobacct_gather/none",
@@ -159,21 +168,30 @@ class SlurmCluster:
             "ReturnToService=2",
             "SlurmdParameters=config_overrides",
             "MinJobAge=3600",
-            "KillWait=5",
             "InactiveLimit=0",
             "Waittime=0",
             f"FirstJobId={self.first_job_id}",
+        ]
+
+    def _host_conf_lines(self) -> list[str]:
+        """Where the controller and the node live: everything on loopback, one node."""
+        r = self.root
+        return [
+            "SlurmctldHost=localhost(127.0.0.1)",
+            f"SlurmdSpoolDir={r}/d",
+            f"SlurmdPidFile={r}/slurmd.pid",
+            f"SlurmdLogFile={r}/log/slurmd.log",
+            "KillWait=5",
             f"NodeName=localhost NodeAddr=127.0.0.1 CPUs={self.cpus} RealMemory={_mem_total_mb()} State=UNKNOWN",
             "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES",
         ]
-        with open(self.conf, "w") as f:
-            f.write("\n".join(lines) + "\n")
 
     def _spawn(self, name: str, argv: list[str]) -> None:
         log = open(os.path.join(self.root, "log", f"{name}.out"), "ab")
         # own session: a Ctrl-C in the terminal reaches the test process, whose cleanup cancels the
         # jobs before stopping the daemons; PDEATHSIG covers a test process that is killed outright
-        self.procs[name] = subprocess.Popen(argv, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+        daemon_env = {**os.environ, "SLURM_CONF": self.conf}   # no client wrappers (multi-node) in daemons
+        self.procs[name] = subprocess.Popen(argv, env=daemon_env, stdout=log, stderr=subprocess.STDOUT,
                                             stdin=subprocess.DEVNULL, start_new_session=True,
                                             preexec_fn=_die_with_parent)
         log.close()
@@ -208,19 +226,38 @@ class SlurmCluster:
                                "-S", sock, "--pid-file", f"{r}/munge/munged.pid",
                                "--log-file", f"{r}/log/munged.log", "--seed-file", f"{r}/munge/seed"])
         self._wait("munged socket", lambda: os.path.exists(sock))
-        self._spawn("slurmctld", [_which("slurmctld"), "-D", "-i", "-f", self.conf])
+        self._spawn("slurmctld", [*self.host_prefix(None), _which("slurmctld"), "-D", "-i", "-f", self.conf])
         self._wait("slurmctld", lambda: self.run("scontrol", "ping", check=False).returncode == 0
                    and "UP" in self.run("scontrol", "ping", check=False).stdout)
-        self._spawn("slurmd", [_which("slurmd"), "-D", "-N", "localhost", "-f", self.conf])
-        self._wait("node idle", self._node_idle)
-        self._saved_env = os.environ.get("SLURM_CONF")
-        os.environ["SLURM_CONF"] = self.conf
+        for node in self.nodes:
+            self._spawn(self._slurmd(node), [*self.host_prefix(node), _which("slurmd"), "-D", "-N", node,
+                                             "-f", self.conf])
+        self._wait("nodes idle", self._nodes_idle)
+        self._publish_env()
         self.started = True
         return self
 
-    def _node_idle(self) -> bool:
-        out = self.run("sinfo", "-h", "-N", "-o", "%T", check=False).stdout.strip().lower()
-        return out.startswith("idle") or out.startswith("mixed")
+    def host_prefix(self, node: Optional[str]) -> list[str]:
+        """argv prefix that runs a command on ``node`` (None: the controller); none on one host."""
+        return []
+
+    def _slurmd(self, node: str) -> str:
+        return "slurmd"
+
+    def _publish_env(self) -> None:
+        """Export SLURM_CONF for the whole session: in-process clients (the executor) find the cluster."""
+        self._saved_env = os.environ.get("SLURM_CONF")
+        os.environ["SLURM_CONF"] = self.conf
+        self._published = True
+
+    def node_states(self) -> dict[str, str]:
+        """{node: state in lower case} from sinfo (idle, mixed, allocated, down*, ...)."""
+        out = self.run("sinfo", "-h", "-N", "-o", "%N %T", check=False).stdout
+        return dict(line.split()[:2] for line in out.lower().splitlines() if len(line.split()) >= 2)
+
+    def _nodes_idle(self) -> bool:
+        states = self.node_states()
+        return all(states.get(n, "").startswith(("idle", "mixed")) for n in self.nodes)
 
     def job_ids(self, states: str = "all") -> list[str]:
         out = self.run("squeue", "-h", "-t", states, "-o", "%i", check=False).stdout.split()
@@ -243,7 +280,7 @@ class SlurmCluster:
                         time.sleep(0.5)
             except Exception:  # a broken controller must not prevent the daemons from stopping
                 pass
-        for name in ("slurmd", "slurmctld", "munged"):
+        for name in [*(self._slurmd(n) for n in self.nodes), "slurmctld", "munged"]:
             p = self.procs.get(name)
             if p is None or p.poll() is not None:
                 continue
@@ -256,12 +293,18 @@ class SlurmCluster:
         if self._old_sigterm is not None and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._old_sigterm)
             self._old_sigterm = None
+        self._unpublish_env()
+        self.started = False
+        self._stopped = True
+
+    def _unpublish_env(self) -> None:
+        if not self._published:
+            return
+        self._published = False
         if self._saved_env is None:
             os.environ.pop("SLURM_CONF", None)
         else:
             os.environ["SLURM_CONF"] = self._saved_env
-        self.started = False
-        self._stopped = True
 
     def cleanup(self) -> None:
         """stop(), then remove the private directory (only when this object created it)."""
@@ -271,7 +314,9 @@ class SlurmCluster:
 
     def logs_tail(self, n: int = 30) -> str:
         out = []
-        for name in ("munged.log", "slurmctld.log", "slurmd.log", "munged.out", "slurmctld.out", "slurmd.out"):
+        d = [self._slurmd(n) for n in self.nodes]
+        for name in ["munged.log", "slurmctld.log", *(f"{x}.log" for x in d), "munged.out", "slurmctld.out",
+                     *(f"{x}.out" for x in d)]:
             p = os.path.join(self.root, "log", name)
             if os.path.exists(p):
                 with open(p, errors="replace") as f:
@@ -373,9 +418,16 @@ _USERS = 0
 
 
 if __name__ == "__main__":
-    c = SlurmCluster()
+    n = int(sys.argv[sys.argv.index("--nodes") + 1]) if "--nodes" in sys.argv else 1
+    if n == 1:
+        c = SlurmCluster()
+    else:
+        from slurm_multinode_cluster import MultiNodeSlurmCluster
+
+        c = MultiNodeSlurmCluster(nodes=n)
     c.start()
-    print(f"cluster up: export SLURM_CONF={c.conf}  (Ctrl-C stops it)", flush=True)
+    path = "" if n == 1 else f" PATH={c.bin_dir}:$PATH"
+    print(f"cluster up: export SLURM_CONF={c.conf}{path}  (Ctrl-C stops it)", flush=True)
     try:
         while True:
             time.sleep(3600)

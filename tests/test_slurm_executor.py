@@ -115,6 +115,9 @@ def test_failing_stage_stops_dependants(slurm_cluster, tmp_path):
     ids = [e["job_id"] for e in json.load(open(os.path.join(run_dir, "slurm", "jobs.json")))["stages"].values()]
     assert not set(ids) & set(slurm_cluster.active_jobs())   # nothing lingers in the queue
     assert SlurmExecutor.status(run_dir) == final
+    # what `launch` prints under a failed stage: srun's line naming the tasks and their node
+    lines = SlurmExecutor(slurm_cluster.executor_config(), run_dir).failure_lines("mmlu")
+    assert lines == ["srun: error: localhost: tasks 0-1: Exited with exit code 3"], lines
 
 
 def test_allow_to_fail_continues(slurm_cluster, tmp_path):

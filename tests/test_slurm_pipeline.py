@@ -2,31 +2,30 @@
 
 quantize (EP4) -> mmlu (EP4) -> export (PP4) -> vllm_smoke (skip: NVFP4 on CPU), chained with
 afterok; `launch` follows the jobs and exits with the pipeline's status; `launch status` reads
-each stage's state back from Slurm.
+each stage's state back from Slurm.  The run itself is ``slurm_runs.tiny_single_node_run`` (one per
+session: the two-node test compares its outputs with this one's).
 """
 import json
-import os
+from pathlib import Path
 
 import pytest
 
-from conftest import TINY_EXAMPLE
-
 try:
     from slurm_cluster import slurm_cluster  # noqa: F401
+    from slurm_runs import tiny_single_node_run  # noqa: F401
 except ImportError:  # pragma: no cover
     from tests.slurm_cluster import slurm_cluster  # noqa: F401
+    from tests.slurm_runs import tiny_single_node_run  # noqa: F401
 
 from launcher.cli import main
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(1500)]
 
 
-def test_tiny_pipeline_through_slurm(slurm_cluster, tiny_dir, tmp_path, capsys):
-    rc = main([TINY_EXAMPLE, *slurm_cluster.launch_overrides(), f"runs_root={tmp_path}"])
-    out = capsys.readouterr().out
-    assert rc == 0, out[-4000:] + slurm_cluster.logs_tail()
-    job_dir = tmp_path / "tiny-qwen3-moe-nvfp4"
-    (run_dir,) = list(job_dir.iterdir())
+def test_tiny_pipeline_through_slurm(slurm_cluster, tiny_single_node_run, capsys):
+    run = tiny_single_node_run
+    assert run.rc == 0, run.output[-4000:] + slurm_cluster.logs_tail()
+    run_dir = Path(run.run_dir)
     meta = json.loads((run_dir / "metadata.json").read_text())
     assert meta["executor"] == "slurm"
     assert [meta["stages"][s]["status"] for s in ("quantize", "mmlu", "export", "vllm_smoke")] == [

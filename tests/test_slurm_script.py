@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 
 from launcher.config.schema import SlurmExecutorConfig
 from launcher.executors.base import StagePlan
+from launcher.executors.slurm_env import expand_hostlist, rendezvous_defaults, tasks_on_node
 from launcher.executors.slurm_script import ScriptError, dependency_spec, render_sbatch, split_secret_env
 from launcher.executors.slurm_state import (
     job_info,
@@ -57,6 +58,9 @@ CASES = {
     # site flags passed through verbatim (keys proposed for SlurmExecutorConfig)
     "site_args": (_plan("quantize", 8), _cfg(nodes=2, gpus_per_node=4, sbatch_args=["--exclusive", "--constraint=h100"],
                                             srun_args=["--mpi=pmix", "--cpu-bind=none"])),
+    # what the two-node test cluster runs (tests/test_slurm_multinode.py): CPU, 2 nodes x 2 ranks
+    "cpu_2nodes": (_plan("mmlu", 4), _cfg(nodes=2, partition="debug", time="00:10:00", env={"PYTHONPATH": "/src"},
+                                          master_port=0)),
 }
 
 
@@ -96,6 +100,20 @@ def test_render_is_pure():
 def test_errors_name_the_key(kv, plan, match):
     with pytest.raises(ScriptError, match=match):
         render_sbatch(plan, _cfg(**kv), RUN_DIR)
+
+
+def test_stage_with_fewer_ranks_than_nodes_runs_on_fewer_nodes():
+    """vllm_smoke (one rank) in a two-node pipeline: one node, not an error."""
+    text = render_sbatch(_plan("vllm_smoke", 1), _cfg(nodes=2), RUN_DIR)
+    assert "#SBATCH --nodes=1\n#SBATCH --ntasks-per-node=1\n" in text
+    assert "srun --ntasks=1 --ntasks-per-node=1 " in text
+    text = render_sbatch(_plan("export", 2), _cfg(nodes=4), RUN_DIR)
+    assert "#SBATCH --nodes=2\n#SBATCH --ntasks-per-node=1\n" in text
+
+
+def test_site_requeue_overrides_no_requeue():
+    text = render_sbatch(_plan(), _cfg(sbatch_args=["--requeue"]), RUN_DIR)
+    assert text.index("#SBATCH --no-requeue") < text.index("#SBATCH --requeue")
 
 
 def test_dependency_spec():
@@ -151,3 +169,76 @@ def test_parse_sbatch():
     assert parse_sbatch_parsable("1234;localci\n") == "1234"
     with pytest.raises(ValueError):
         parse_sbatch_parsable("sbatch: error: oops")
+
+
+# ---------------------------------------------------------------- what a rank reads from srun's environment
+HOSTLISTS = {
+    "node[01-02]": ["node01", "node02"],
+    "localhost": ["localhost"],
+    "n[1-10]": [f"n{i}" for i in range(1, 11)],
+    "n[001-3]": ["n001", "n002", "n003"],
+    "n[8-010]": ["n8", "n9", "n10"],             # width of the lower bound, like Slurm
+    "a[1-3,10],b7,c[008-010]": ["a1", "a2", "a3", "a10", "b7", "c008", "c009", "c010"],
+    "r[1-2]n[1-2]": ["r1n1", "r1n2", "r2n1", "r2n2"],
+    "gpu-a[2-2],gpu-b": ["gpu-a2", "gpu-b"],
+}
+
+
+@pytest.mark.parametrize("spec", sorted(HOSTLISTS))
+def test_expand_hostlist(spec):
+    assert expand_hostlist(spec) == HOSTLISTS[spec]
+
+
+@pytest.mark.parametrize("spec,match", [("n[1-2", r"'\[' without '\]'"), ("n1-2]", r"'\]' without '\['"),
+                                        ("n[3-1]", "runs backwards"), ("n[a-b]", "bad range")])
+def test_expand_hostlist_errors(spec, match):
+    with pytest.raises(ValueError, match=match):
+        expand_hostlist(spec)
+
+
+def test_expand_hostlist_agrees_with_scontrol(tmp_path):
+    """The same expansions from Slurm's own `scontrol show hostnames` (no daemon needed)."""
+    import shutil
+    import subprocess
+
+    if shutil.which("scontrol") is None:
+        pytest.skip("scontrol not installed (scripts/install_slurm.sh)")
+    conf = tmp_path / "slurm.conf"
+    conf.write_text("ClusterName=x\nSlurmctldHost=localhost\nNodeName=localhost\nPartitionName=d Nodes=ALL\n")
+    for spec, hosts in HOSTLISTS.items():
+        r = subprocess.run(["scontrol", "show", "hostnames", spec], capture_output=True, text=True,
+                           env={**os.environ, "SLURM_CONF": str(conf)}, timeout=30)
+        assert r.returncode == 0 and r.stdout.split() == hosts, (spec, r.stdout, r.stderr)
+
+
+def test_tasks_on_node():
+    assert [tasks_on_node("2(x2)", i) for i in range(3)] == [2, 2, None]
+    assert [tasks_on_node("3,2", i) for i in range(2)] == [3, 2]
+    assert [tasks_on_node("2(x3),1", i) for i in range(4)] == [2, 2, 2, 1]
+    assert tasks_on_node("", 0) is None and tasks_on_node("garbage", 0) is None
+
+
+def test_rendezvous_defaults_match_the_script():
+    srun = {"SLURM_PROCID": "3", "SLURM_JOB_ID": "46218307", "SLURM_STEP_NODELIST": "node[01-02]",
+            "SLURM_JOB_NODELIST": "login,node[01-02]"}
+    port = 20000 + 46218307 % 20000        # the script's $(( 20000 + SLURM_JOB_ID % 20000 ))
+    assert f"$(( {20000} + SLURM_JOB_ID % {20000} ))" in render_sbatch(_plan(), _cfg(master_port=0), RUN_DIR)
+    assert rendezvous_defaults(srun) == {"MASTER_ADDR": "node01", "MASTER_PORT": str(port)}
+    assert rendezvous_defaults({**srun, "SLURM_STEP_NODELIST": ""})["MASTER_ADDR"] == "login"
+    assert rendezvous_defaults({**srun, "RANK": "3"}) == {}          # torchrun / the local agent set it
+    assert rendezvous_defaults({"SLURM_JOB_ID": "7"}) == {}          # inside an allocation, not under srun
+
+
+def test_validate_refuses_nodes_that_do_not_split_a_stage():
+    """Before anything is submitted: executor.nodes must split each stage's ranks (vllm_smoke's one
+    rank runs on one node, so nodes=2 is fine for the tiny example; 3 is not)."""
+    from launcher.config.compose import ConfigError, compose_example
+    from launcher.config.validate import validate
+
+    tiny = os.path.join(os.path.dirname(GOLDEN), "..", "examples", "tiny", "Qwen3-MoE-tiny", "megatron_lm_ptq.yaml")
+    validate(compose_example(tiny, ["executor=slurm", "executor.nodes=2"]), check_paths=False)
+    with pytest.raises(ConfigError) as e:
+        validate(compose_example(tiny, ["executor=slurm", "executor.nodes=3"]), check_paths=False)
+    lines = [ln for ln in str(e.value).splitlines() if "executor.nodes=3" in ln]
+    assert [ln.split(": ", 1)[1].split(" has ")[0] for ln in lines] == ["stages.quantize", "stages.mmlu", "stages.export"]
+    assert "4 ranks, which do not split evenly over 3 nodes (valid: 1, 2, 4)" in lines[0]

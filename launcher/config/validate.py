@@ -73,6 +73,7 @@ def validate(cfg: DictConfig, check_paths: bool = True) -> list[str]:
     _check_mmlu(cfg, err, warnings, check_paths)
     _check_export(cfg, err)
     _check_vllm(cfg, err, warnings, check_paths)
+    _check_slurm_nodes(cfg, err)
     if err.lines:
         raise ConfigError("invalid config:\n  " + "\n  ".join(err.lines))
     return warnings
@@ -154,6 +155,25 @@ def _check_executor(cfg: DictConfig, err: _Errors) -> None:
         err.add("executor.device", ex.device, f"valid: {', '.join(schema.DEVICES)}")
     if ex.kind == "slurm" and ex.nodes < 1:
         err.add("executor.nodes", ex.nodes, "must be >= 1")
+
+
+def _check_slurm_nodes(cfg: DictConfig, err: _Errors) -> None:
+    """executor.nodes must split every enabled stage's ranks evenly over the nodes it runs on."""
+    from launcher.executors.slurm_script import stage_nodes
+
+    ex = cfg.executor
+    if ex.kind != "slurm" or ex.nodes < 1:
+        return
+    for stage in enabled_stages(cfg):
+        try:
+            world = stage_dims(cfg, stage).world_size
+        except ValueError:
+            continue   # the stage's own parallel errors are reported already
+        n = stage_nodes(world, ex.nodes)
+        if world % n:
+            err.add("executor.nodes", ex.nodes,
+                    f"stages.{stage} has {world} ranks, which do not split evenly over {n} nodes "
+                    f"(valid: {', '.join(map(str, divisors(world)))})")
 
 
 def _check_parallel(cfg: DictConfig, stage: str, err: _Errors) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -48,6 +49,11 @@ UNKNOWN_AFTER_POLLS = 3
 CONTROLLER_GRACE_S = 120.0
 
 OnState = Callable[[str, str, dict], None]
+# lines of a stage's log that say what failed and where: srun's per-task and per-node errors
+# ("srun: error: node02: task 3: Killed", "Task launch ... failed on node node02: ..."), slurmstepd's
+# "*** JOB 12 ON node01 CANCELLED ... DUE TO NODE FAILURE ***", and the ranks' own verdicts
+# ("[mmlu r2] STAGE FAILED: ... desync guard: ranks [0, 1, 2, 3] did not all reach ...")
+FAILURE_LINE = re.compile(r"^(srun: error: |slurmstepd\S*: error: \*\*\* |\[\w+ r\d+\] (STAGE|PREFLIGHT) FAILED)")
 
 
 class SlurmError(RuntimeError):
@@ -109,6 +115,24 @@ def query_jobs(job_ids: Iterable[str]) -> dict[str, Optional[JobInfo]]:
         jobs = parse_scontrol_jobs(r.stdout)
         out[jid] = job_info(jobs[jid]) if jid in jobs else None
     return out
+
+
+def unhealthy_nodes(node_list: str) -> list[str]:
+    """``node node02: down* (Not responding)`` for each node of ``node_list`` that slurmctld holds
+    down, drained, failing or not responding (``*``); [] when all are fine or sinfo cannot tell."""
+    if not node_list:
+        return []
+    try:
+        r = _run([_tool("sinfo"), "-h", "-N", "-n", node_list, "-o", "%N|%T|%E"], timeout=30)
+    except SlurmError:
+        return []
+    out = []
+    for line in r.stdout.splitlines():
+        name, state, reason = (line.strip().split("|", 2) + ["", ""])[:3]
+        if state.endswith("*") or state.startswith(("down", "drain", "fail")):
+            note = f" ({reason})" if reason and reason.lower() != "none" else ""
+            out.append(f"node {name}: {state}{note}")
+    return sorted(set(out))
 
 
 def scancel(job_ids: Sequence[str]) -> subprocess.CompletedProcess:
@@ -288,6 +312,28 @@ class SlurmExecutor:
         if info is None:
             return {"stage": stage, "job_id": st["job_id"], "state": UNKNOWN}
         return {"stage": stage, **info.as_dict()}
+
+    def failure_lines(self, stage: str, limit: int = 4) -> list[str]:
+        """What failed and where, for a stage that did not complete: the nodes of its job that
+        slurmctld now holds down or not responding (``unhealthy_nodes``), then the first ``limit``
+        distinct FAILURE_LINE lines of this submission's part of the stage's log (the cause comes
+        before its consequences); [] when there is nothing to say."""
+        st = self._load_record()["stages"].get(stage) or {}
+        out = unhealthy_nodes((st.get("final_info") or {}).get("node_list") or "")
+        try:
+            with open(st.get("log") or "", "rb") as f:
+                f.seek(int(st.get("log_offset") or 0))
+                text = f.read().decode("utf-8", "replace")
+        except OSError:
+            return out
+        found: list[str] = []
+        for line in text.splitlines():
+            line = line.strip()
+            if FAILURE_LINE.match(line) and line[:300] not in found:
+                found.append(line[:300])
+                if len(found) == limit:
+                    break
+        return out + found
 
     # ------------------------------------------------------------------ cancel / status
     def cancel(self, job_ids: Sequence[str]) -> None:

@@ -7,19 +7,24 @@ dependency (which names job ids) is not part of the script: the executor passes 
 
 One script per stage::
 
-    #SBATCH lines     job name, nodes, tasks per node (= world / nodes), GPUs per node, time,
-                      partition, account, qos, cpus per task, memory, output+error -> the stage's
-                      log.txt (appended, so a resumed stage keeps the first attempt's log)
+    #SBATCH lines     job name, nodes (executor.nodes; fewer for a stage with fewer ranks), tasks
+                      per node (= world / nodes), GPUs per node, time, partition, account, qos,
+                      cpus per task, memory, --no-requeue (a failed node fails the stage instead of
+                      rerunning it unseen later), output+error -> the stage's log.txt (appended, so
+                      a resumed stage keeps the first attempt's log)
     exports           executor env, then the stage's env; OMP_NUM_THREADS, PYTHONUNBUFFERED (live
                       logs); values that look like secrets are NOT written - the executor hands
                       them to sbatch's environment, which Slurm forwards to the job (--export=ALL)
     setup lines       verbatim (module load ..., source ...)
     rendezvous        MASTER_ADDR = first host of the allocation (``hostname`` inside a job is
                       not the node name), MASTER_PORT = executor.master_port, or derived from the
-                      job id when master_port is 0 (jobs sharing a node never collide)
+                      job id when master_port is 0 (jobs sharing a node never collide); the worker
+                      derives the same two from srun's variables when they are missing
+                      (slurm_env.rendezvous_defaults)
     srun              --ntasks=world, --kill-on-bad-exit (one dead rank ends the stage instead of
                       hanging its peers), pyxis --container-image/--container-mounts when set,
-                      then the stage's argv; each rank reads SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID
+                      then the stage's argv; each rank reads SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID/
+                      SLURM_NODEID (launcher/megatron/dist.rank_env)
 """
 from __future__ import annotations
 
@@ -29,12 +34,11 @@ import shlex
 from typing import Any, Mapping, Optional, Sequence
 
 from launcher.executors.base import StagePlan
+from launcher.executors.slurm_env import DERIVED_PORT_BASE, DERIVED_PORT_SPAN
 from launcher.rundir import SECRET_NAME  # one rule for what is a secret: config.yaml masks the same names
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _TIME = re.compile(r"^((\d+-)?\d+(:\d{1,2}){0,2}|UNLIMITED|INFINITE)$", re.IGNORECASE)
-DERIVED_PORT_BASE = 20000
-DERIVED_PORT_SPAN = 20000
 
 
 class ScriptError(ValueError):
@@ -78,12 +82,19 @@ def _get(cfg: Any, key: str, default: Any = None) -> Any:
     return getattr(cfg, key, default)
 
 
+def stage_nodes(world_size: int, nodes: int) -> int:
+    """Nodes a stage runs on: executor.nodes, or one per rank when the stage has fewer ranks than
+    that (vllm_smoke's single server rank runs on one node of a two-node pipeline)."""
+    return max(1, min(nodes, world_size))
+
+
 def tasks_per_node(plan: StagePlan, cfg: Any) -> int:
     nodes = int(_get(cfg, "nodes", 1) or 1)
     if nodes < 1:
         raise ScriptError(f"executor.nodes must be >= 1, got {nodes}")
     if plan.world_size < 1:
         raise ScriptError(f"stage {plan.name}: world_size must be >= 1, got {plan.world_size}")
+    nodes = stage_nodes(plan.world_size, nodes)
     if plan.world_size % nodes:
         raise ScriptError(
             f"stage {plan.name}: world size {plan.world_size} does not split evenly over "
@@ -102,7 +113,7 @@ def tasks_per_node(plan: StagePlan, cfg: Any) -> int:
 def render_sbatch(plan: StagePlan, cfg: Any, run_dir: str, job_name: Optional[str] = None) -> str:
     """The sbatch script of one stage (text, ends with a newline)."""
     ntpn = tasks_per_node(plan, cfg)
-    nodes = int(_get(cfg, "nodes", 1) or 1)
+    nodes = plan.world_size // ntpn
     time_limit = str(_get(cfg, "time", "") or "")
     if time_limit and not _TIME.match(time_limit):
         raise ScriptError(f"executor.time={time_limit!r}: use minutes, MM:SS, HH:MM:SS or D-HH[:MM[:SS]]")
@@ -129,6 +140,10 @@ def render_sbatch(plan: StagePlan, cfg: Any, run_dir: str, job_name: Optional[st
     for key in ("partition", "account", "qos"):
         if _get(cfg, key):
             sb.append(f"--{key}={_get(cfg, key)}")
+    # a node failure must end the stage (NODE_FAIL, reported; `launch --resume` reruns it), not put
+    # the job back in the queue to rerun unseen when the node returns (Slurm requeues batch jobs
+    # by default); a site that wants that passes --requeue in sbatch_args, which comes later and wins
+    sb.append("--no-requeue")
     # site-specific flags (--constraint=..., --reservation=..., --exclusive); proposed schema key
     sb += [str(a) for a in (_get(cfg, "sbatch_args", []) or [])]
     sb += [

@@ -1,8 +1,11 @@
 """torch.distributed + Megatron-Core parallel_state for one rank of a stage.
 
-Rendezvous is env:// (RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT, LOCAL_RANK), with Slurm's
-SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID as the fallback under ``srun``.  CPU runs use gloo
-(and ``cpu_compat``), CUDA runs NCCL on ``cuda:LOCAL_RANK``.
+Rendezvous is env:// (RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT, LOCAL_RANK, NODE_RANK), with
+Slurm's SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID / SLURM_NODEID as the fallback under ``srun``.
+CPU runs use gloo (and ``cpu_compat``), CUDA runs NCCL on ``cuda:LOCAL_RANK``.  A gloo stage that
+spans nodes binds to the interface that routes to MASTER_ADDR unless GLOO_SOCKET_IFNAME says
+otherwise: gloo's own choice is the address the machine's hostname resolves to, which on a stock
+Debian/Ubuntu host is loopback (/etc/hosts), and peers on other nodes then cannot connect.
 """
 from __future__ import annotations
 
@@ -17,8 +20,8 @@ DEVICES = ("cpu", "cuda")
 
 
 def rank_env() -> dict[str, int]:
-    """This process's rank, world size, local rank and local world size from torchrun's or
-    Slurm's variables (local ones default to the global ones: a single node)."""
+    """This process's rank, world size, local rank, local world size, node rank and node count from
+    torchrun's or Slurm's variables (local ones default to the global ones: a single node)."""
     def pick(*names: str) -> int | None:
         for name in names:
             value = os.environ.get(name)
@@ -36,9 +39,52 @@ def rank_env() -> dict[str, int]:
             "cannot tell this process's rank: set RANK and WORLD_SIZE (torchrun / local executor) "
             "or run under srun (SLURM_PROCID, SLURM_NTASKS)")
     local = pick("LOCAL_RANK", "SLURM_LOCALID")
-    local_world = pick("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE")
+    node = pick("NODE_RANK", "GROUP_RANK", "SLURM_NODEID")
+    local_world = pick("LOCAL_WORLD_SIZE")
+    if local_world is None and node is not None:   # srun: this node's count (distributions may be uneven)
+        from launcher.executors.slurm_env import tasks_on_node
+
+        local_world = tasks_on_node(os.environ.get("SLURM_STEP_TASKS_PER_NODE", ""), node)
+    if local_world is None:
+        local_world = pick("SLURM_NTASKS_PER_NODE")
+    nodes = pick("NNODES", "GROUP_WORLD_SIZE", "SLURM_STEP_NUM_NODES", "SLURM_NNODES")
+    local_world = world if local_world is None else local_world
     return {"rank": rank, "world_size": world, "local_rank": rank if local is None else local,
-            "local_world_size": world if local_world is None else local_world}
+            "local_world_size": local_world, "node_rank": 0 if node is None else node,
+            "num_nodes": nodes if nodes is not None else -(-world // max(local_world, 1))}
+
+
+def interface_towards(host: str) -> tuple[str, str] | None:
+    """(interface, local address) this machine uses to reach ``host``; None if none is found.
+
+    A connected UDP socket makes the kernel pick the route without sending anything.
+    """
+    import socket
+
+    import psutil
+
+    try:
+        addr = socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_DGRAM)[0][4][0]
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((addr, 9))
+            local = s.getsockname()[0]
+    except OSError:
+        return None
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address == local for a in addrs):
+            return name, local
+    return None
+
+
+def choose_gloo_interface(env: dict[str, int]) -> str | None:
+    """Set GLOO_SOCKET_IFNAME for a stage that spans nodes (see the module docstring); returns it."""
+    if os.environ.get("GLOO_SOCKET_IFNAME") or env["num_nodes"] <= 1:
+        return os.environ.get("GLOO_SOCKET_IFNAME")
+    found = interface_towards(os.environ["MASTER_ADDR"])
+    if found is None or found[1].startswith("127."):
+        return None   # MASTER_ADDR is loopback or unroutable: nothing better to offer than gloo's own choice
+    os.environ["GLOO_SOCKET_IFNAME"] = found[0]
+    return found[0]
 
 
 def init_distributed(dims: "ParallelDims", device: str, timeout_s: float = 120, seed: int = 1234):
@@ -76,6 +122,7 @@ def init_distributed(dims: "ParallelDims", device: str, timeout_s: float = 120, 
 
         apply_cpu_compat()
         backend = "gloo"
+        choose_gloo_interface(env)
 
     if not dist.is_initialized():
         dist.init_process_group(
