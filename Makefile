@@ -17,7 +17,9 @@ vllm-env:
 slurm:
 	bash scripts/install_slurm.sh
 
-tiny: tiny-qwen tiny-nemotron
+# both builds at once (each trains on one thread; a build already cached returns at once)
+tiny: venv
+	$(MAKE) -j2 tiny-qwen tiny-nemotron
 
 tiny-qwen: venv
 	$(VENV)/bin/python -m launcher.tiny --model Qwen3-MoE-tiny
