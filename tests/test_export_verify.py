@@ -53,6 +53,22 @@ def make_exports_worker(src: str, out: str) -> dict:
         "sampled": [n for m in sampled for n in m.hf_names],
         "quantized_modules": sorted(quantized_hf_modules(model)),
     }
+    # recipe nvfp4_mlp_weight_only (ModelOpt's general/ptq/nvfp4_mlp_weight_only): weight-only
+    # NVFP4 in blocks of 32, experts only
+    import yaml
+
+    from launcher.config.compose import REPO_ROOT
+    from launcher.quant.recipes import resolve_quant_cfg
+
+    with open(os.path.join(REPO_ROOT, "recipes", "nvfp4_mlp_weight_only.yaml")) as f:
+        cfg = resolve_quant_cfg(yaml.safe_load(f))
+    model = build_model(src, dims, "cpu", "bfloat16")
+    import_hf_weights(model, src, "bfloat16")
+    mtq.quantize(unwrap_model(model), cfg, lambda _m: [forward_logits(model, b) for b in batches])
+    export_hf(model, src, os.path.join(out, "nvfp4_w32"), "bfloat16")
+    result["w32_all"] = compare_references(os.path.join(out, "nvfp4_w32"),
+                                           fake_quantized_references(linear_modules(model)), "nvfp4")
+    result["w32_quantized_modules"] = sorted(quantized_hf_modules(model))
     shutdown()
     return result
 
@@ -65,7 +81,8 @@ def exports(tmp_path_factory):
     src = write_tiny_qwen3_moe(str(root / "src"), num_layers=NUM_LAYERS)
     [result] = run_on_ranks("test_export_verify:make_exports_worker", nprocs=1,
                             kwargs={"src": src, "out": str(root)}, timeout_s=300)
-    return {"src": src, "nvfp4": str(root / "nvfp4"), "none": str(root / "none"), **result}
+    return {"src": src, "nvfp4": str(root / "nvfp4"), "none": str(root / "none"),
+            "nvfp4_w32": str(root / "nvfp4_w32"), **result}
 
 
 def _copy(exports, tmp_path, which="nvfp4") -> str:
@@ -122,6 +139,32 @@ def test_nvfp4_export_verifies(exports):
     assert set(by_kind) == {"attention", "expert"}
     assert all(0.02 < v["max_rel_err"] < 0.2 for v in by_kind.values()), by_kind
     assert 0.2 < report["size"]["export_bytes"] / report["size"]["source_bytes"] < 0.5
+
+
+def test_weight_only_nvfp4_in_blocks_of_32_verifies(exports, tmp_path):
+    """recipe=nvfp4_mlp_weight_only: W4A16_NVFP4, group size 32 (was refused as 'expected 16')."""
+    d = exports["nvfp4_w32"]
+    with open(os.path.join(d, "hf_quant_config.json")) as f:
+        quant = json.load(f)["quantization"]
+    assert (quant["quant_algo"], quant["group_size"]) == ("W4A16_NVFP4", 32)
+    report = _verify(d, exports=exports, quantized_modules=set(exports["w32_quantized_modules"]),
+                     quantize_experts=True)
+    assert report["errors"] == [] and report["checks"]["quant_config"]["group_size"] == 32
+    assert report["checks"]["modules"]["quantized"] == NUM_LAYERS * NUM_EXPERTS * 3
+    quantized = [r for r in exports["w32_all"] if r.get("quantized")]
+    assert len(quantized) == NUM_LAYERS * NUM_EXPERTS * 3
+    assert all(r["bit_exact"] for r in exports["w32_all"]), [r for r in exports["w32_all"] if not r["bit_exact"]]
+    # group size 32 is weight-only's: the same export declared as W4A4 NVFP4 is refused, naming it
+    bad = _copy(exports, tmp_path, "nvfp4_w32")
+    path = os.path.join(bad, "hf_quant_config.json")
+    with open(path) as f:
+        hqc = json.load(f)
+    hqc["quantization"]["quant_algo"] = "NVFP4"
+    with open(path, "w") as f:
+        json.dump(hqc, f)
+    errors = _verify(bad, exports=exports)["errors"]
+    assert "hf_quant_config.json quantization.group_size=32, expected 16 for recipe format nvfp4 " \
+           "(quant_algo 'NVFP4')" in errors, errors
 
 
 def test_dequantized_export_equals_megatron_fake_quant_bit_exact(exports):

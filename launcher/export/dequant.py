@@ -52,6 +52,16 @@ def pack_e2m1(codes):
     return (codes[..., 1::2] << 4) | codes[..., 0::2]
 
 
+def nvfp4_block_size(weight, weight_scale) -> int:
+    """The block size an exported NVFP4 pair was written with: in_features / scales per row
+    (16 for NVFP4; ModelOpt's weight-only NVFP4 recipes may use 32)."""
+    in_features, per_row = weight.shape[-1] * 2, weight_scale.shape[-1]
+    if per_row < 1 or in_features % per_row:
+        raise ValueError(f"NVFP4 weight_scale shape {list(weight_scale.shape)} does not divide weight "
+                         f"{list(weight.shape)} into whole blocks")
+    return in_features // per_row
+
+
 def dequantize_nvfp4(weight, weight_scale, weight_scale_2, block_size: int = NVFP4_BLOCK):
     """fp32 ``[out, in]`` from an exported NVFP4 triple (see the module docstring)."""
     import torch
@@ -94,7 +104,8 @@ def dequantize_fp8(weight, weight_scale):
 def dequantize_module(fmt: str, tensors: dict):
     """Dequantize one module's exported tensors (keys ``weight``, ``weight_scale``, ...)."""
     if fmt == "nvfp4":
-        return dequantize_nvfp4(tensors["weight"], tensors["weight_scale"], tensors["weight_scale_2"])
+        return dequantize_nvfp4(tensors["weight"], tensors["weight_scale"], tensors["weight_scale_2"],
+                                nvfp4_block_size(tensors["weight"], tensors["weight_scale"]))
     if fmt == "fp8":
         return dequantize_fp8(tensors["weight"], tensors["weight_scale"])
     raise ValueError(f"cannot dequantize format {fmt!r}; supported: nvfp4, fp8")
@@ -112,7 +123,7 @@ def quantization_step(fmt: str, tensors: dict):
     if fmt == "nvfp4":
         w, scale, scale_2 = tensors["weight"], tensors["weight_scale"], tensors["weight_scale_2"]
         codes = torch.stack([w & 0x07, (w >> 4) & 0x07], dim=-1).reshape(w.shape[0], -1).long()
-        gaps = torch.tensor(_E2M1_GAP)[codes].view(w.shape[0], -1, NVFP4_BLOCK)
+        gaps = torch.tensor(_E2M1_GAP)[codes].view(w.shape[0], -1, nvfp4_block_size(w, scale))
         block = scale.to(torch.float32) * scale_2.to(torch.float32).reshape(())
         return (gaps * block.unsqueeze(-1)).reshape(w.shape[0], -1)
     if fmt == "fp8":

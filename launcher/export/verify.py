@@ -59,7 +59,7 @@ def verify_export(export_dir: str, fmt: str, *, source_dir: Optional[str] = None
     findings = layout.Findings()
     warnings: list[str] = []
     tensors = layout.check_files(export_dir, findings)
-    excludes, algo = layout.check_quant_config(export_dir, fmt, findings)
+    excludes, algo, group_size = layout.check_quant_config(export_dir, fmt, findings)
     config = {}
     if os.path.isfile(os.path.join(export_dir, "config.json")):
         with open(os.path.join(export_dir, "config.json")) as f:
@@ -73,7 +73,7 @@ def verify_export(export_dir: str, fmt: str, *, source_dir: Optional[str] = None
     source = layout.source_under_export_names(checkpoint_tensor_names(source_dir), tensors) if source_dir else None
     kinds = layout.check_tensors(tensors, fmt, excludes, findings, expected_dtype=expected_dtype,
                                  quantized_modules=quantized_modules, source=source,
-                                 weight_only=algo in layout.WEIGHT_ONLY_ALGOS)
+                                 weight_only=algo in layout.WEIGHT_ONLY_ALGOS, block=group_size or 16)
     if quantize_experts and fmt != "none":
         from launcher.export.verify_values import module_kind
 

@@ -17,9 +17,11 @@ from launcher.export.safetensors_dir import (
     DTYPE_BYTES, INDEX_NAME, SINGLE_NAME, TensorInfo, read_all_headers, read_index, safetensors_files)
 
 # recipe format -> what hf_quant_config.json's "quantization" must say (None: not quantized)
-# (quant_algo values accepted; "W4A16_NVFP4" is NVFP4 weight-only: no input_scale)
+# (quant_algo values accepted; "W4A16_NVFP4" is NVFP4 weight-only: no input_scale; group sizes
+# accepted per quant_algo: NVFP4 blocks are 16, ModelOpt's weight-only NVFP4 recipes write 16 or
+# 32 - general/ptq/nvfp4_mlp_weight_only uses 32; every weight_scale is then checked against it)
 FORMATS = {
-    "nvfp4": {"quant_algo": ("NVFP4", "W4A16_NVFP4"), "group_size": 16},
+    "nvfp4": {"quant_algo": ("NVFP4", "W4A16_NVFP4"), "group_size": {"NVFP4": (16,), "W4A16_NVFP4": (16, 32)}},
     "fp8": {"quant_algo": ("FP8",)},
     "none": None,
 }
@@ -106,10 +108,11 @@ def check_files(export_dir: str, findings: Findings) -> dict[str, TensorInfo]:
     return tensors
 
 
-def check_quant_config(export_dir: str, fmt: str, findings: Findings) -> tuple[list[str], Optional[str]]:
+def check_quant_config(export_dir: str, fmt: str, findings: Findings) -> tuple[list[str], Optional[str], Optional[int]]:
     """config.json quantization_config and hf_quant_config.json vs the recipe.
 
-    Returns (exclude_modules patterns, quant_algo)."""
+    Returns (exclude_modules patterns, quant_algo, group size: the declared one when the
+    quant_algo allows it, else the quant_algo's first)."""
     want = check_format_name(fmt)
     config = _read_json(os.path.join(export_dir, "config.json"), findings) or {}
     qc = config.get("quantization_config")
@@ -121,7 +124,7 @@ def check_quant_config(export_dir: str, fmt: str, findings: Findings) -> tuple[l
         if os.path.exists(hqc_path):
             findings.error("hf_quant_config.json exists but the recipe format is none")
         findings.checks["quant_config"] = "none"
-        return [], None
+        return [], None, None
     hqc = _read_json(hqc_path, findings) if os.path.exists(hqc_path) else None
     if hqc is None:
         findings.error(f"hf_quant_config.json is missing (recipe format {fmt} needs quant_algo "
@@ -132,9 +135,14 @@ def check_quant_config(export_dir: str, fmt: str, findings: Findings) -> tuple[l
         if quant.get("quant_algo") not in want["quant_algo"]:
             findings.error(f"hf_quant_config.json quantization.quant_algo={quant.get('quant_algo')!r}, expected "
                            f"{' or '.join(want['quant_algo'])} for recipe format {fmt}")
-        if "group_size" in want and quant.get("group_size") != want["group_size"]:
+    group_size = None
+    if "group_size" in want:
+        allowed = want["group_size"].get(quant.get("quant_algo"), next(iter(want["group_size"].values())))
+        group_size = quant.get("group_size") if quant.get("group_size") in allowed else allowed[0]
+        if hqc is not None and quant.get("group_size") not in allowed:
             findings.error(f"hf_quant_config.json quantization.group_size={quant.get('group_size')!r}, expected "
-                           f"{want['group_size']} for recipe format {fmt}")
+                           f"{' or '.join(map(str, allowed))} for recipe format {fmt} "
+                           f"(quant_algo {quant.get('quant_algo')!r})")
     if qc is None:
         findings.error(f"config.json has no quantization_config (recipe format {fmt} needs quant_algo "
                        f"{' or '.join(want['quant_algo'])}): servers would load the checkpoint as unquantized")
@@ -150,14 +158,15 @@ def check_quant_config(export_dir: str, fmt: str, findings: Findings) -> tuple[l
         if "group_size" in want:
             groups = (qc.get("config_groups") or {}).values()
             sizes = sorted({(g.get("weights") or {}).get("group_size") for g in groups}, key=str)
-            if sizes != [want["group_size"]]:
+            if sizes != [group_size]:
                 findings.error(f"config.json quantization_config weight group_size {sizes}, expected "
-                               f"[{want['group_size']}]")
+                               f"[{group_size}] (hf_quant_config.json's)")
         if hqc is not None and sorted(qc.get("ignore") or []) != sorted(quant.get("exclude_modules") or []):
             findings.error("config.json quantization_config.ignore differs from hf_quant_config.json exclude_modules")
     excludes = list(quant.get("exclude_modules") or [])
-    findings.checks["quant_config"] = {"quant_algo": quant.get("quant_algo"), "exclude_modules": excludes}
-    return excludes, quant.get("quant_algo")
+    findings.checks["quant_config"] = {"quant_algo": quant.get("quant_algo"), "group_size": group_size,
+                                       "exclude_modules": excludes}
+    return excludes, quant.get("quant_algo"), group_size
 
 
 def is_excluded(module: str, patterns: list[str]) -> bool:
@@ -189,7 +198,7 @@ def _expect(findings: Findings, info: Optional[TensorInfo], name: str, dtype: st
 
 
 def check_quantized_module(module: str, leaves: dict[str, TensorInfo], fmt: str, findings: Findings,
-                           source_shape=None, weight_only: bool = False) -> None:
+                           source_shape=None, weight_only: bool = False, block: int = 16) -> None:
     w = leaves["weight"]
     if source_shape is not None:
         out_f, in_f = source_shape
@@ -198,7 +207,6 @@ def check_quantized_module(module: str, leaves: dict[str, TensorInfo], fmt: str,
     else:
         out_f, in_f = w.shape[0], w.shape[-1]
     if fmt == "nvfp4":
-        block = FORMATS["nvfp4"]["group_size"]
         if in_f % block:
             findings.error(f"{module}: in_features {in_f} is not a multiple of the NVFP4 block {block}")
         _expect(findings, w, f"{module}.weight", "uint8", [out_f, in_f // 2])
@@ -218,7 +226,8 @@ def check_quantized_module(module: str, leaves: dict[str, TensorInfo], fmt: str,
 
 def check_tensors(tensors: dict[str, TensorInfo], fmt: str, excludes: list[str], findings: Findings, *,
                   expected_dtype: Optional[str] = None, quantized_modules: Optional[set] = None,
-                  source: Optional[dict[str, TensorInfo]] = None, weight_only: bool = False) -> dict[str, str]:
+                  source: Optional[dict[str, TensorInfo]] = None, weight_only: bool = False,
+                  block: int = 16) -> dict[str, str]:
     """Quantized modules have the format's tensors; everything else stays high precision.
 
     ``quantized_modules`` (HF module names the Megatron model quantized) is the authority when
@@ -254,7 +263,7 @@ def check_tensors(tensors: dict[str, TensorInfo], fmt: str, excludes: list[str],
             unlisted.append(module)   # no Megatron authority: unquantized, and not declared so
         if has_q and fmt != "none":
             check_quantized_module(module, leaves, fmt, findings, src.shape if src is not None else None,
-                                   weight_only)
+                                   weight_only, block)
             kinds[module] = "quantized"
             continue
         kinds[module] = "excluded" if excluded else "high_precision"

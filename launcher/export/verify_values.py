@@ -187,10 +187,12 @@ def compare_references(export_dir: str, references: dict, fmt: str,
         over = int((diff > step + ulps).sum())             # beyond one quantization step: wrong data
         entry.update(max_abs_diff=diff.max().item(), elements=diff.numel(),
                      mismatched=int((diff != 0).sum()), flips=flips, bit_exact=bool((diff == 0).all()))
-        if flips and fmt == "nvfp4" and m in deq and ref.shape[-1] % NVFP4_BLOCK == 0:
-            blocks = flipped.reshape(*ref.shape[:-1], -1, NVFP4_BLOCK)
+        block = tensors[f"{m}.weight"].shape[-1] * 2 // tensors[f"{m}.weight_scale"].shape[-1] \
+            if fmt == "nvfp4" and m in deq else NVFP4_BLOCK
+        if flips and fmt == "nvfp4" and m in deq and ref.shape[-1] % block == 0:
+            blocks = flipped.reshape(*ref.shape[:-1], -1, block)
             entry["flip_blocks"] = int(blocks.any(dim=-1).sum())
-            entry["blocks"] = blocks.numel() // NVFP4_BLOCK
+            entry["blocks"] = blocks.numel() // block
         allowed = max_flip_fraction(fmt)
         if over or flips > allowed * diff.numel():
             what = "fake-quantized weight" if m in deq else "weight"
