@@ -53,21 +53,25 @@ def fp8_bf16_export_worker(src: str, out: str) -> dict:
     import copy
 
     import modelopt.torch.quantization as mtq
-    from modelopt.torch.export import export_mcore_gpt_to_hf
+    from modelopt.torch.export import export_mcore_gpt_to_hf, import_mcore_gpt_from_hf
 
     from launcher.export.megatron_ref import fake_quantized_references, linear_modules
     from launcher.export.verify_values import compare_references
+    from launcher.megatron import modelopt_fixes
     from launcher.megatron.dist import init_distributed, shutdown
     from launcher.megatron.forward import forward_logits
-    from launcher.megatron.hf_io import import_hf_weights
     from launcher.megatron.modelopt_fixes import apply_modelopt_fixes
-    from launcher.megatron.models import build_model, unwrap_model
+    from launcher.megatron.models import build_model, resolve_dtype, unwrap_model
     from launcher.topology import ParallelDims
 
     dims = ParallelDims(world_size=1)
     init_distributed(dims, "cpu", timeout_s=120)
     model = build_model(src, dims, "cpu", "bfloat16")
-    import_hf_weights(model, src, "bfloat16")
+    # ModelOpt's importer itself: the product's import_hf_weights applies every fix first, and
+    # the "as is" export below must run on ModelOpt unfixed
+    assert not modelopt_fixes._APPLIED, modelopt_fixes._APPLIED
+    import_mcore_gpt_from_hf(unwrap_model(model), src, dtype=resolve_dtype("bfloat16", "cpu"))
+    assert not modelopt_fixes._APPLIED, modelopt_fixes._APPLIED
     # round the weights to bf16 values (a bf16 checkpoint), so fp32 -> bf16 export casts are exact
     with torch.no_grad():
         for p in model.parameters():
