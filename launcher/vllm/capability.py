@@ -25,9 +25,11 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-# (minimum compute capability, what needs it) per quantization family
-NVFP4_MIN_CC = (10, 0)
-FP8_MIN_CC = (8, 9)
+from launcher.formats import FORMATS
+
+# (minimum compute capability, what needs it) per quantization family (launcher/formats.py)
+NVFP4_MIN_CC = FORMATS["nvfp4"].vllm_min_cc
+FP8_MIN_CC = FORMATS["fp8"].vllm_min_cc
 OTHER_QUANT_MIN_CC = (0, 0)   # "a CUDA GPU"; vLLM decides the rest
 
 
@@ -164,8 +166,7 @@ def _family(algo: str) -> str:
 
 
 _FAMILY_NEEDS = {
-    "nvfp4": (NVFP4_MIN_CC, "a Blackwell GPU (compute capability >= 10.0)"),
-    "fp8": (FP8_MIN_CC, "a GPU with compute capability >= 8.9 (Ada/Hopper or newer)"),
+    **{name: (FORMATS[name].vllm_min_cc, FORMATS[name].vllm_needs) for name in ("nvfp4", "fp8")},
     "other": (OTHER_QUANT_MIN_CC, "a CUDA GPU"),
 }
 
