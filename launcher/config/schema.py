@@ -44,7 +44,7 @@ class RecipeConfig:
     """A quantization recipe: a named ModelOpt config, a ModelOpt recipe YAML, or none."""
 
     name: str = MISSING
-    format: str = MISSING              # nvfp4 | fp8 | int4_awq | w4a8 | none  (what export must contain)
+    format: str = MISSING              # nvfp4 | fp8 | none (launcher/formats.py): what export must contain
     modelopt_cfg: Optional[str] = None  # e.g. NVFP4_DEFAULT_CFG (attribute of modelopt.torch.quantization)
     recipe_path: Optional[str] = None   # a ModelOpt recipe YAML instead of a named config
     exclude_modules: list[str] = field(default_factory=list)  # extra wildcard patterns left unquantized

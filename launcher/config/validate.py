@@ -12,6 +12,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from launcher import formats
 from launcher.config import schema
 from launcher.config.compose import ConfigError, recipe_names
 from launcher.config.hf_card import (
@@ -20,7 +21,6 @@ from launcher.config.hf_card import (
 from launcher.topology import ParallelDims, minimal_world_size
 
 SUPPORTED_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM", "NemotronHForCausalLM")
-RECIPE_FORMATS = ("nvfp4", "fp8", "int4_awq", "w4a8", "int8_sq", "none")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
@@ -128,8 +128,9 @@ def _check_model(cfg: DictConfig, err: _Errors, warnings: list[str], check_paths
 
 def _check_recipe(cfg: DictConfig, err: _Errors) -> None:
     r = cfg.recipe
-    if r.format not in RECIPE_FORMATS:
-        err.add("recipe.format", r.format, f"valid: {', '.join(RECIPE_FORMATS)}")
+    problem = formats.format_problem(r.format)
+    if problem:
+        err.add("recipe.format", r.format, problem)
     if r.format == "none":
         if r.modelopt_cfg or r.recipe_path:
             err.add("recipe.modelopt_cfg", r.modelopt_cfg, "must be null for format none")
@@ -155,6 +156,11 @@ def _check_executor(cfg: DictConfig, err: _Errors) -> None:
         err.add("executor.device", ex.device, f"valid: {', '.join(schema.DEVICES)}")
     if ex.kind == "slurm" and ex.nodes < 1:
         err.add("executor.nodes", ex.nodes, "must be >= 1")
+    if ex.kind == "slurm":
+        from launcher.executors.slurm_script import TIME_SYNTAX, valid_time
+
+        if not valid_time(str(ex.time or "")):
+            err.add("executor.time", ex.time, f"valid: {TIME_SYNTAX} (Slurm's --time syntax)")
 
 
 def _check_slurm_nodes(cfg: DictConfig, err: _Errors) -> None:
@@ -234,6 +240,22 @@ def _check_quantize(cfg: DictConfig, err: _Errors, warnings: list[str], check_pa
         err.add("stages.quantize.moe_dispatcher", q.moe_dispatcher, f"valid: {', '.join(schema.DISPATCHERS)}")
     if cfg.recipe.format != "none":
         _check_path(c.dataset, "stages.quantize.calib.dataset", err, warnings, check_paths, hub_ok=False)
+    _check_calibration_at_ep(cfg, err)
+
+
+def _check_calibration_at_ep(cfg: DictConfig, err: _Errors) -> None:
+    """The quantize stage's recipe_layout check, decided from the recipe's YAML (no torch)."""
+    from launcher.quant.recipes import EP_UNSAFE_ALGORITHMS, declared_algorithm
+
+    ep = cfg.stages.quantize.parallel.ep
+    if ep <= 1:
+        return
+    known, algorithm = declared_algorithm(cfg.recipe)
+    if known and algorithm in EP_UNSAFE_ALGORITHMS:
+        err.add("stages.quantize.parallel.ep", ep,
+                f"recipe {cfg.recipe.name!r} calibrates with {algorithm!r}, which desyncs expert-parallel ranks "
+                f"in ModelOpt's implementation (collectives depend on per-rank expert token counts); valid: "
+                f"stages.quantize.parallel.ep=1, or a recipe calibrated with another algorithm (e.g. max)")
 
 
 def _check_path(value: str, key: str, err: _Errors, warnings: list[str], check_paths: bool, hub_ok: bool) -> None:

@@ -39,6 +39,12 @@ from launcher.rundir import SECRET_NAME  # one rule for what is a secret: config
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _TIME = re.compile(r"^((\d+-)?\d+(:\d{1,2}){0,2}|UNLIMITED|INFINITE)$", re.IGNORECASE)
+TIME_SYNTAX = "minutes, MM:SS, HH:MM:SS or D-HH[:MM[:SS]]"
+
+
+def valid_time(value: str) -> bool:
+    """Slurm's --time syntax (empty: no limit line)."""
+    return not value or bool(_TIME.match(value))
 
 
 class ScriptError(ValueError):
@@ -115,8 +121,8 @@ def render_sbatch(plan: StagePlan, cfg: Any, run_dir: str, job_name: Optional[st
     ntpn = tasks_per_node(plan, cfg)
     nodes = plan.world_size // ntpn
     time_limit = str(_get(cfg, "time", "") or "")
-    if time_limit and not _TIME.match(time_limit):
-        raise ScriptError(f"executor.time={time_limit!r}: use minutes, MM:SS, HH:MM:SS or D-HH[:MM[:SS]]")
+    if not valid_time(time_limit):
+        raise ScriptError(f"executor.time={time_limit!r}: use {TIME_SYNTAX}")
     if not plan.argv:
         raise ScriptError(f"stage {plan.name}: empty argv")
     if not plan.log_path:
