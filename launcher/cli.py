@@ -4,9 +4,10 @@
     launch validate CONFIG [overrides...]        compose + validate (no torch), exit 2 on errors
     launch status RUN_DIR                        per-stage state (metadata.json, Slurm when submitted)
     launch verify EXPORT_DIR [--recipe NAME] [--source HF_DIR]
-    launch suite EXAMPLES_DIR [--test-level N] [--junit FILE] [--summary FILE]
+    launch suite EXAMPLES_DIR [--test-level N] [--junit FILE] [--summary FILE] [--exclude GLOB,...] [--runs-root DIR]
 
-Flags may stand before or after the overrides.  Overrides use Hydra's syntax
+Flags may stand before or after the overrides; each verb accepts its own flags only (any other
+flag is an error naming the verb's flags).  Overrides use Hydra's syntax
 (`stages.mmlu.lower_bound=0.62`, `executor=slurm`, `recipe=fp8_default`).
 Exit codes: 0 ok, 1 a stage failed, 2 invalid config or usage, 3 gate failed, 130 cancelled.
 """
@@ -21,6 +22,7 @@ EXIT_USAGE = 2
 _VALUE_FLAGS = {"--resume", "--run-id", "--test-level", "--junit", "--summary", "--recipe", "--source", "--runs-root",
                 "--exclude"}
 _BOOL_FLAGS = {"--dry-run", "--json", "--preflight", "--detach", "--no-check-paths", "--help", "-h"}
+_HELP = {"--help", "-h"}
 
 
 @dataclass
@@ -32,30 +34,41 @@ class Args:
         return self.flags.get(name, default)
 
 
-def parse_args(argv: list[str]) -> Args:
-    """Positionals (config, overrides) and flags in any order. `--dryrun` is refused by name."""
+def parse_args(argv: list[str], verb: Optional[type] = None) -> Args:
+    """Positionals (config, overrides) and flags in any order. `--dryrun` is refused by name.
+
+    ``verb``: its ``VALUE_FLAGS`` and ``BOOL_FLAGS`` are the only flags accepted (default: every
+    verb's); any other flag, a misplaced one included, is an error naming the verb's flags."""
+    value_flags = _VALUE_FLAGS if verb is None else set(verb.VALUE_FLAGS)
+    bool_flags = _BOOL_FLAGS if verb is None else set(verb.BOOL_FLAGS) | _HELP
     out = Args()
     i = 0
     while i < len(argv):
         tok = argv[i]
-        if tok in _BOOL_FLAGS:
+        if tok in bool_flags:
             out.flags[tok] = True
-        elif tok in _VALUE_FLAGS:
+        elif tok in value_flags:
             if i + 1 >= len(argv):
                 raise ValueError(f"{tok} needs a value")
             out.flags[tok] = argv[i + 1]
             i += 1
-        elif tok.startswith("--") and "=" in tok and tok.split("=", 1)[0] in _VALUE_FLAGS:
+        elif tok.startswith("--") and "=" in tok and tok.split("=", 1)[0] in value_flags:
             k, v = tok.split("=", 1)
             out.flags[k] = v
-        elif tok.startswith("-") and not tok.startswith("--=") and "=" not in tok:
-            valid = ", ".join(sorted(_BOOL_FLAGS | _VALUE_FLAGS))
-            hint = " (did you mean --dry-run?)" if tok.replace("-", "") == "dryrun" else ""
-            raise ValueError(f"unknown flag {tok}{hint}; valid flags: {valid}")
+        elif tok.startswith("-") and not tok.startswith("--=") and ("=" not in tok or tok.startswith("--")):
+            raise ValueError(_unknown_flag(tok.split("=", 1)[0], verb, sorted(bool_flags | value_flags)))
         else:
             out.positional.append(tok)
         i += 1
     return out
+
+
+def _unknown_flag(flag: str, verb: Optional[type], valid: list[str]) -> str:
+    hint = " (did you mean --dry-run?)" if flag != "--dry-run" and flag.replace("-", "") == "dryrun" else ""
+    where = f" for `launch {verb.NAME}`" if verb is not None else ""
+    owners = [v.NAME for v in (RunVerb, *VERBS.values()) if v is not verb and flag in v.FLAGS]
+    elsewhere = f" ({flag} is a flag of `launch {'`, `launch '.join(owners)}`)" if owners else ""
+    return f"unknown flag {flag}{hint}{where}; valid flags: {', '.join(valid)}{elsewhere}"
 
 
 def _compose(args: Args):
@@ -71,6 +84,11 @@ def _compose(args: Args):
 
 class RunVerb:
     """Default verb: compose, validate, then dry-run, preflight or run the pipeline."""
+
+    NAME = "CONFIG (run)"
+    VALUE_FLAGS = ("--resume", "--run-id", "--runs-root")
+    BOOL_FLAGS = ("--dry-run", "--json", "--preflight", "--detach", "--no-check-paths")
+    FLAGS = VALUE_FLAGS + BOOL_FLAGS
 
     def __call__(self, args: Args) -> int:
         from launcher.config.validate import validate
@@ -144,6 +162,11 @@ class RunVerb:
 class ValidateVerb:
     """`launch validate CONFIG [overrides]`: compose and validate only (no torch, no processes)."""
 
+    NAME = "validate"
+    VALUE_FLAGS = ("--runs-root",)
+    BOOL_FLAGS = ("--no-check-paths",)
+    FLAGS = VALUE_FLAGS + BOOL_FLAGS
+
     def __call__(self, args: Args) -> int:
         from launcher.config.validate import validate
 
@@ -156,6 +179,11 @@ class ValidateVerb:
 
 class StatusVerb:
     """`launch status RUN_DIR`: each stage's state (from Slurm when the run was submitted there)."""
+
+    NAME = "status"
+    VALUE_FLAGS: tuple = ()
+    BOOL_FLAGS: tuple = ()
+    FLAGS = VALUE_FLAGS + BOOL_FLAGS
 
     def __call__(self, args: Args) -> int:
         from launcher.rundir import RunDirectory
@@ -188,6 +216,8 @@ class VerifyVerb:
     [--samples N] [--json]`: check an HF export (its own flags; see launcher.export.verify)."""
 
     raw_argv = True
+    NAME = "verify"
+    FLAGS = ("--recipe", "--source", "--num-layers", "--num-experts", "--samples", "--json")
 
     def __call__(self, argv: list[str]) -> int:
         from launcher.export.verify import verify_export_main
@@ -199,6 +229,11 @@ class SuiteVerb:
     """`launch suite EXAMPLES_DIR [--test-level N] [--junit FILE] [--summary FILE] [--exclude GLOB,...]`:
     the nightly suite."""
 
+    NAME = "suite"
+    VALUE_FLAGS = ("--test-level", "--junit", "--summary", "--exclude", "--runs-root")
+    BOOL_FLAGS: tuple = ()
+    FLAGS = VALUE_FLAGS + BOOL_FLAGS
+
     def __call__(self, args: Args) -> int:
         from launcher.suite import run_suite
 
@@ -206,7 +241,7 @@ class SuiteVerb:
             raise ValueError("usage: launch suite EXAMPLES_DIR [--test-level N] [--junit FILE]")
         return run_suite(args.positional[0], test_level=int(args.flag("--test-level", 0)),
                          junit=args.flag("--junit"), summary=args.flag("--summary"),
-                         overrides=args.positional[1:],
+                         overrides=args.positional[1:], runs_root=args.flag("--runs-root"),
                          exclude=[p for p in str(args.flag("--exclude") or "").split(",") if p])
 
 
@@ -225,7 +260,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             verb_cls = RunVerb
         if getattr(verb_cls, "raw_argv", False):
             return verb_cls()(argv)
-        args = parse_args(argv)
+        args = parse_args(argv, verb_cls)
         if args.flag("--help") or args.flag("-h") or not argv:
             print(__doc__)
             return 0 if argv else EXIT_USAGE

@@ -73,7 +73,7 @@ def run_suite(examples_dir: str, test_level: int = 0, junit: Optional[str] = Non
     paths = sorted(glob.glob(os.path.join(examples_dir, "**", "*.yaml"), recursive=True))
     if not paths:
         raise ValueError(f"no example YAML under {examples_dir}")
-    runs_root = os.path.abspath(runs_root or os.path.join("runs", "suite-" + time.strftime("%Y%m%d-%H%M%S")))
+    runs_root, overrides = suite_runs_root(list(overrides), runs_root)
     gpus = gpu_count()
     outcomes = []
     for path in paths:
@@ -93,6 +93,20 @@ def run_suite(examples_dir: str, test_level: int = 0, junit: Optional[str] = Non
             f.write(md)
     print(md)
     return 1 if any(o.status in ("failed", "invalid") for o in outcomes) else 0
+
+
+def suite_runs_root(overrides: list[str], runs_root: Optional[str]) -> tuple[str, list[str]]:
+    """The suite's runs root and the overrides left for every example.
+
+    A ``runs_root=X`` override is the runs root (the suite passes it to every example itself);
+    ``--runs-root`` (``runs_root``) says the same; both, disagreeing, is an error.  Default:
+    ./runs/suite-<time>."""
+    given = [o.split("=", 1)[1] for o in overrides if o.lstrip("+").startswith("runs_root=")]
+    rest = [o for o in overrides if not o.lstrip("+").startswith("runs_root=")]
+    if given and runs_root and os.path.abspath(given[-1]) != os.path.abspath(runs_root):
+        raise ValueError(f"runs_root={given[-1]} and --runs-root {runs_root} disagree: give one of them")
+    root = runs_root or (given[-1] if given else os.path.join("runs", "suite-" + time.strftime("%Y%m%d-%H%M%S")))
+    return os.path.abspath(root), rest
 
 
 def _one_example(path: str, test_level: int, gpus: int, overrides: list[str], runs_root: str) -> ExampleOutcome:

@@ -2,6 +2,7 @@
 failed late or were silently ignored.  Each is now refused by `launch validate` (exit 2) with a
 message naming the key or flag and the valid values, or works.  Torch-free (checked below)."""
 import json
+import os
 import subprocess
 import sys
 
@@ -95,3 +96,60 @@ def test_validate_imports_no_torch_for_these_checks():
             "assert 'torch' not in sys.modules and 'modelopt' not in sys.modules, 'validate imported torch'\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+
+
+RUN_FLAGS = "--detach, --dry-run, --help, --json, --no-check-paths, --preflight, --resume, --run-id, --runs-root, -h"
+
+
+@pytest.mark.parametrize("argv, flag, owner", [
+    ([TINY, "--recipe", "fp8_default", "--dry-run"], "--recipe", " (--recipe is a flag of `launch verify`)"),
+    ([TINY, "--recipe=fp8_default", "--dry-run"], "--recipe", " (--recipe is a flag of `launch verify`)"),
+    ([TINY, "--junit", "out.xml", "--dry-run"], "--junit", " (--junit is a flag of `launch suite`)"),
+    ([TINY, "--frobnicate", "--dry-run"], "--frobnicate", ""),
+])
+def test_run_verb_refuses_flags_it_does_not_read(capsys, argv, flag, owner):
+    rc = main(argv)
+    _, err = capsys.readouterr()
+    assert rc == 2
+    assert err.strip() == f"launch: unknown flag {flag} for `launch CONFIG (run)`; valid flags: {RUN_FLAGS}{owner}"
+
+
+def test_misplaced_flags_of_other_verbs_are_refused_naming_the_verbs_flags(capsys):
+    assert main(["validate", TINY, "--dry-run"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "launch: unknown flag --dry-run for `launch validate`; valid flags: --help, --no-check-paths, --runs-root, -h "
+        "(--dry-run is a flag of `launch CONFIG (run)`)")
+    assert main(["suite", "examples/", "--resume", "x"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "launch: unknown flag --resume for `launch suite`; valid flags: --exclude, --help, --junit, --runs-root, "
+        "--summary, --test-level, -h (--resume is a flag of `launch CONFIG (run)`)")
+
+
+def test_suite_runs_root_override_is_the_runs_root(tmp_path):
+    from launcher.suite import suite_runs_root
+
+    want = str(tmp_path / "r")
+    assert suite_runs_root(["a=1", f"runs_root={want}", "b=2"], None) == (want, ["a=1", "b=2"])
+    assert suite_runs_root(["a=1"], want) == (want, ["a=1"])
+    assert suite_runs_root([f"runs_root={want}"], want) == (want, [])
+    root, rest = suite_runs_root(["a=1"], None)
+    assert os.path.basename(os.path.dirname(root)) == "runs" and os.path.basename(root).startswith("suite-")
+    with pytest.raises(ValueError, match=r"runs_root=/x and --runs-root /y disagree: give one of them"):
+        suite_runs_root(["runs_root=/x"], "/y")
+
+
+def test_suite_passes_the_given_runs_root_to_every_example(tmp_path, monkeypatch, capsys):
+    """run_suite -> _one_example wiring: the user's runs_root= reaches each example (it used to be
+    overwritten by ./runs/suite-<time>, appended after the user's overrides)."""
+    import launcher.suite as suite
+
+    examples = tmp_path / "examples"
+    examples.mkdir()
+    (examples / "a.yaml").write_text("job_name: a\n")
+    seen = []
+    monkeypatch.setattr(suite, "_one_example", lambda path, level, gpus, overrides, root: (
+        seen.append((overrides, root)), suite.ExampleOutcome(path=path, status="skipped"))[1])
+    assert suite.run_suite(str(examples), overrides=["x=1", f"runs_root={tmp_path}/mine"]) == 0
+    assert seen == [(["x=1"], f"{tmp_path}/mine")]
+    assert main(["suite", str(examples), "--runs-root", "/y", "runs_root=/x"]) == 2
+    assert "launch: runs_root=/x and --runs-root /y disagree: give one of them" in capsys.readouterr().err
