@@ -9,7 +9,8 @@
 Flags may stand before or after the overrides; each verb accepts its own flags only (any other
 flag is an error naming the verb's flags).  Overrides use Hydra's syntax
 (`stages.mmlu.lower_bound=0.62`, `executor=slurm`, `recipe=fp8_default`).
-Exit codes: 0 ok, 1 a stage failed, 2 invalid config or usage, 3 gate failed, 130 cancelled.
+Exit codes (launcher.contract.ExitCode): 0 ok, 1 a stage failed, 2 invalid config or usage, 3 gate failed,
+4 desync guard tripped, 5 preflight failed, 130 cancelled.
 """
 from __future__ import annotations
 
@@ -18,7 +19,9 @@ import sys
 from dataclasses import dataclass, field
 from typing import Optional
 
-EXIT_USAGE = 2
+from launcher.contract import ExitCode, JobState, StageStatus
+
+EXIT_USAGE = ExitCode.USAGE
 _VALUE_FLAGS = {"--resume", "--run-id", "--test-level", "--junit", "--summary", "--recipe", "--source", "--runs-root",
                 "--exclude"}
 _BOOL_FLAGS = {"--dry-run", "--json", "--preflight", "--detach", "--no-check-paths", "--help", "-h"}
@@ -106,7 +109,7 @@ class RunVerb:
         resume = args.flag("--resume")
         if resume:
             run = RunDirectory(resume)
-            if not os.path.isfile(os.path.join(run.path, "metadata.json")):
+            if not run.is_run_directory():
                 raise ValueError(f"--resume {resume}: not a run directory (no metadata.json)")
             run.write_config(cfg)
         else:
@@ -144,18 +147,17 @@ class RunVerb:
             for kind, groups in dims.groups.items():
                 shown = groups if dims.world_size <= 16 else f"{len(groups)} groups of {len(groups[0])}"
                 print(f"   {kind:<9} {shown}")
-            print("   command: " + " ".join(self._command(cfg, plans[st["name"]])))
+            print("   command: " + " ".join(self._command(cfg, plans[st["name"]], run_dir)))
         return 0
 
     @staticmethod
-    def _command(cfg, plan) -> list[str]:
+    def _command(cfg, plan, run_dir: str) -> list[str]:
         if cfg.executor.kind == "local":
             from launcher.executors.local import LocalExecutor
 
             return LocalExecutor(cfg.executor, "").agent_argv(plan, cfg.executor.master_port or 0)
         from launcher.executors.slurm_script import render_sbatch
 
-        run_dir = os.path.dirname(os.path.dirname(plan.log_path))
         return ["sbatch <<'EOF'\n" + render_sbatch(plan, cfg.executor, run_dir) + "EOF"]
 
 
@@ -191,7 +193,7 @@ class StatusVerb:
         if not args.positional:
             raise ValueError("usage: launch status RUN_DIR")
         run = RunDirectory(args.positional[0])
-        if not os.path.isfile(os.path.join(run.path, "metadata.json")):
+        if not run.is_run_directory():
             raise ValueError(f"{args.positional[0]}: not a run directory (no metadata.json)")
         meta = run.metadata()
         slurm_states: dict = {}
@@ -206,8 +208,8 @@ class StatusVerb:
             extra = f" job {st['job_id']}" if st.get("job_id") else ""
             reason = f" - {st['reason']}" if st.get("reason") else ""
             print(f"  {name:<11} {state}{extra}{reason}")
-            if str(state).lower() in ("failed", "cancelled", "timeout"):
-                worst = 1
+            if str(state).lower() in (StageStatus.FAILED, StageStatus.CANCELLED, JobState.TIMEOUT.lower()):
+                worst = ExitCode.FAILED
         return worst
 
 

@@ -22,6 +22,7 @@ from xml.etree import ElementTree as ET
 from launcher.config.compose import ConfigError, compose_example
 from launcher.config.hf_card import read_hf_config
 from launcher.config.validate import enabled_stages, stage_dims, validate
+from launcher.contract import RunLayout, StageName
 from launcher.rundir import read_json
 
 GPU_ONLY_ARCHITECTURES = {"NemotronHForCausalLM": "needs Mamba kernels (mamba_ssm, CUDA)"}
@@ -139,11 +140,11 @@ def _one_example(path: str, test_level: int, gpus: int, overrides: list[str], ru
     job_dir = os.path.join(runs_root, cfg.job_name)
     runs = sorted(os.listdir(job_dir)) if os.path.isdir(job_dir) else []
     out.run_dir = os.path.join(job_dir, runs[-1]) if runs else ""
-    meta = read_json(os.path.join(out.run_dir, "metadata.json")) if out.run_dir else None
-    results = read_json(os.path.join(out.run_dir, "mmlu", "results.json")) if out.run_dir else None
+    meta = read_json(RunLayout(out.run_dir).metadata_json) if out.run_dir else None
+    results = read_json(RunLayout(out.run_dir).mmlu_results) if out.run_dir else None
     for name, st in (meta or {}).get("stages", {}).items():
         entry = {"name": name, "status": st.get("status"), "duration_s": st.get("duration_s"), "reason": st.get("reason", "")}
-        if name == "mmlu" and results:
+        if name == StageName.MMLU and results:
             entry.update(accuracy=results.get("accuracy"), bound=results.get("lower_bound", results.get("bound")))
         out.stages.append(entry)
     if proc.returncode == 0:

@@ -3,8 +3,6 @@ rule) agrees with the algorithm of the config ModelOpt itself resolves, for ever
 config it can read and every built-in PTQ recipe."""
 import os
 
-import pytest
-
 from launcher.quant.recipes import (
     EP_UNSAFE_ALGORITHMS, _load_named, _load_recipe_yaml, calibration_algorithm, declared_algorithm,
     named_modelopt_configs)

@@ -11,6 +11,8 @@ from typing import Any, Optional, Union
 
 from omegaconf import MISSING
 
+from launcher.contract import STAGE_ORDER  # noqa: F401  (the stage names are the contract's)
+
 SHARD_MODES = ("auto", "balanced", "lockstep", "dense_dp")
 VLLM_MODES = ("server", "offline")
 VLLM_SCORING = ("prompt_logprobs", "choice_logprobs")
@@ -177,9 +179,6 @@ class Stages:
     mmlu: MmluStage = field(default_factory=MmluStage)
     export: ExportStage = field(default_factory=ExportStage)
     vllm_smoke: VllmSmokeStage = field(default_factory=VllmSmokeStage)
-
-
-STAGE_ORDER = ("quantize", "mmlu", "export", "vllm_smoke")
 
 
 @dataclass

@@ -35,7 +35,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 from launcher.executors.base import StagePlan
 from launcher.executors.slurm_env import DERIVED_PORT_BASE, DERIVED_PORT_SPAN
-from launcher.rundir import SECRET_NAME  # one rule for what is a secret: config.yaml masks the same names
+from launcher.contract import split_secrets  # one rule for what is a secret: config.yaml masks the same names
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _TIME = re.compile(r"^((\d+-)?\d+(:\d{1,2}){0,2}|UNLIMITED|INFINITE)$", re.IGNORECASE)
@@ -51,10 +51,6 @@ class ScriptError(ValueError):
     """A config value that cannot make a valid sbatch script; the message names the key."""
 
 
-def is_secret(name: str) -> bool:
-    return bool(SECRET_NAME.search(name))
-
-
 def stage_env(plan: StagePlan, cfg: Any) -> dict[str, str]:
     """Environment of every rank of the stage: executor.env, then the plan's env (wins)."""
     env: dict[str, str] = {}
@@ -67,10 +63,8 @@ def stage_env(plan: StagePlan, cfg: Any) -> dict[str, str]:
 
 
 def split_secret_env(env: Mapping[str, str]) -> tuple[dict[str, str], dict[str, str]]:
-    """(written into the script, passed through sbatch's environment only)."""
-    public = {k: v for k, v in env.items() if not is_secret(k)}
-    secret = {k: v for k, v in env.items() if is_secret(k)}
-    return public, secret
+    """(written into the script, passed through sbatch's environment only): the contract's rule."""
+    return split_secrets(env)
 
 
 def default_job_name(plan: StagePlan, run_dir: str) -> str:

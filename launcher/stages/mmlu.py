@@ -9,7 +9,7 @@ unquantized HF weights on the same questions in the same model (the checkpoint i
 unless launcher/mmlu/baseline_cache.py holds them for this checkpoint and these prompts;
 ``baseline=cached`` takes them from there only.  The drop is then paired (launcher/mmlu/paired.py).
 Rank 0 gathers, decides the gate, writes ``mmlu/results.json`` atomically and broadcasts the
-decision; on "fail" every rank raises ``StageFailed(exit_code=EXIT_GATE_FAILED)``.
+decision; on "fail" every rank raises ``StageFailed(exit_code=ExitCode.GATE_FAILED)``.
 """
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ from launcher.mmlu.data import LETTERS
 from launcher.mmlu.paired import compare
 from launcher.mmlu.prompts import Prompt, bos_id, choice_token_ids, finish_ids
 from launcher.mmlu.token_cache import prompts_and_ids
-from launcher.stages.context import EXIT_GATE_FAILED, StageContext, StageFailed, write_json_atomic
+from launcher.contract import ExitCode, StageFailed, write_json_atomic
+from launcher.stages.context import StageContext
 
 
 @dataclass
@@ -259,7 +260,7 @@ def run(ctx: StageContext) -> None:
         timings["baseline_eval_s"] = time.time() - t
     if quantized:
         t = time.time()
-        load_checkpoint(model, ctx.path("quantize", "checkpoint"))
+        load_checkpoint(model, ctx.layout.quantize_checkpoint)
         timings["load_checkpoint_s"] = time.time() - t
     timings["fold_and_group_s"] = prepare_model_for_eval(model, ctx.log)["seconds"]
     t = time.time()
@@ -279,7 +280,7 @@ def run(ctx: StageContext) -> None:
         doc = build_results(prepared, results, scfg, decision, plan, baseline, timings)
         if cached is not None:
             doc["baseline"].update(source=cached["source"], cache=cached["path"], cache_key=cached["key"])
-        write_json_atomic(f"{ctx.stage_dir}/results.json", doc)
+        write_json_atomic(ctx.layout.mmlu_results, doc)
         ctx.log("per-subject accuracy:\n" + gate_mod.format_table(doc["per_subject"]))
         lo, hi = decision.interval
         ctx.log(f"accuracy {decision.accuracy:.4f} ({decision.correct}/{decision.n}), 95% interval "
@@ -292,4 +293,4 @@ def run(ctx: StageContext) -> None:
     verdict = broadcast_from_rank0(verdict)
     if not verdict["pass"]:
         raise StageFailed("MMLU gate failed: " + "; ".join(verdict["failures"]),
-                          exit_code=EXIT_GATE_FAILED)
+                          exit_code=ExitCode.GATE_FAILED)
