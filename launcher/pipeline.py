@@ -195,14 +195,21 @@ def _print_summary(run: RunDirectory) -> None:
               f"bound {results.get('lower_bound', results.get('bound'))}, pass={results.get('pass')})", flush=True)
 
 
+def _dims_if_valid(cfg: DictConfig, stage: str):
+    try:
+        return stage_dims(cfg, stage)
+    except ValueError:
+        return None
+
+
 def describe_plan(cfg: DictConfig, run_dir: str = "<run_dir>") -> dict:
     """Machine-readable plan for `--dry-run --json`."""
     stages = []
     for s in STAGE_ORDER:
         st = cfg.stages[s]
-        dims = stage_dims(cfg, s)
-        entry = {"name": s, "enabled": bool(st.enabled), **dims.describe()}
-        if s == StageName.MMLU:
+        dims = stage_dims(cfg, s) if st.enabled else _dims_if_valid(cfg, s)   # a disabled stage's may be unset
+        entry = {"name": s, "enabled": bool(st.enabled), **(dims.describe() if dims else {})}
+        if s == StageName.MMLU and dims:
             entry["shard_mode"] = st.shard_mode
             entry["shard_group"] = ("edp" if (st.shard_mode == "lockstep" and dims.ep > 1) else "dp")
         if not st.enabled and st.get("disabled_reason"):

@@ -153,3 +153,25 @@ def test_suite_passes_the_given_runs_root_to_every_example(tmp_path, monkeypatch
     assert seen == [(["x=1"], f"{tmp_path}/mine")]
     assert main(["suite", str(examples), "--runs-root", "/y", "runs_root=/x"]) == 2
     assert "launch: runs_root=/x and --runs-root /y disagree: give one of them" in capsys.readouterr().err
+
+
+# found by tests/test_validate_property.py: accepted by validate, then refused by the plan or a stage
+def test_vllm_smoke_rank_grid_is_validated(capsys):
+    assert validate(capsys, "stages.vllm_smoke.parallel.tp=2") == (2, [
+        "stages.vllm_smoke.parallel.world_size=1: world_size 1 is not divisible by tp(2) * cp(1) * pp(1) = 2; "
+        "valid world sizes are multiples of 2"])
+
+
+def test_export_etp_above_1_is_refused(capsys):
+    rc, lines = validate(capsys, "stages.export.parallel.etp=2", "stages.export.parallel.world_size=8")
+    assert rc == 2 and lines == [
+        "stages.export.parallel.etp=2: must be 1: ModelOpt's Megatron->HF export silently corrupts at tp>1 (empty "
+        "tensors) and ep>1 (drops experts); use pp to spread the model"]
+
+
+def test_dry_run_of_a_config_whose_disabled_stage_has_no_valid_grid(capsys):
+    rc = main([TINY, "--dry-run", "--json", "stages.vllm_smoke.enabled=false", "stages.vllm_smoke.parallel.tp=2"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    vllm = [s for s in json.loads(out)["stages"] if s["name"] == "vllm_smoke"][0]
+    assert vllm == {"name": "vllm_smoke", "enabled": False}

@@ -69,6 +69,7 @@ def validate(cfg: DictConfig, check_paths: bool = True) -> list[str]:
     for stage in enabled_stages(cfg):
         if stage != "vllm_smoke":  # vLLM shards itself (tensor parallel only; KV heads replicate)
             _check_parallel(cfg, stage, err)
+        _check_rank_grid(cfg, stage, err)
     _check_quantize(cfg, err, warnings, check_paths)
     _check_mmlu(cfg, err, warnings, check_paths)
     _check_export(cfg, err)
@@ -228,6 +229,18 @@ def _check_parallel(cfg: DictConfig, stage: str, err: _Errors) -> None:
         err.add(f"{key}.world_size", world, f"must be a multiple of etp*ep*pp = {p.etp}*{p.ep}*{p.pp} = {expert}")
 
 
+def _check_rank_grid(cfg: DictConfig, stage: str, err: _Errors) -> None:
+    """The stage's ranks can be laid out (what the plan and every rank build: ParallelDims)."""
+    key = f"stages.{stage}.parallel"
+    if any(line.startswith(key + ".") for line in err.lines):
+        return   # already reported, in the config's words
+    try:
+        stage_dims(cfg, stage)
+    except ValueError as e:
+        p = cfg.stages[stage].parallel
+        err.add(f"{key}.world_size", p.world_size, str(e))
+
+
 def _check_quantize(cfg: DictConfig, err: _Errors, warnings: list[str], check_paths: bool) -> None:
     q = cfg.stages.quantize
     if not q.enabled:
@@ -347,6 +360,8 @@ def _check_export(cfg: DictConfig, err: _Errors) -> None:
         err.add("stages.export.parallel.tp", e.parallel.tp, f"must be 1: {why}; use pp to spread the model")
     if e.parallel.ep != 1:
         err.add("stages.export.parallel.ep", e.parallel.ep, f"must be 1: {why}; use pp to spread the model")
+    if e.parallel.etp != 1:
+        err.add("stages.export.parallel.etp", e.parallel.etp, f"must be 1: {why}; use pp to spread the model")
     if not re.match(r"^[\w.-]+$", e.name):
         err.add("stages.export.name", e.name, "must be a plain directory name")
     if not cfg.stages.quantize.enabled and cfg.recipe.format != "none":
