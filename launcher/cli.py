@@ -14,6 +14,7 @@ Exit codes (launcher.contract.ExitCode): 0 ok, 1 a stage failed, 2 invalid confi
 """
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from dataclasses import dataclass, field
@@ -22,10 +23,7 @@ from typing import Optional
 from launcher.contract import ExitCode, JobState, StageStatus
 
 EXIT_USAGE = ExitCode.USAGE
-_VALUE_FLAGS = {"--resume", "--run-id", "--test-level", "--junit", "--summary", "--recipe", "--source", "--runs-root",
-                "--exclude"}
-_BOOL_FLAGS = {"--dry-run", "--json", "--preflight", "--detach", "--no-check-paths", "--help", "-h"}
-_HELP = {"--help", "-h"}
+_HELP = ("--help", "-h")
 
 
 @dataclass
@@ -37,33 +35,48 @@ class Args:
         return self.flags.get(name, default)
 
 
+class _VerbParser(argparse.ArgumentParser):
+    """argparse, with its usage errors raised as ValueError (main prints them and exits 2)."""
+
+    def error(self, message: str):
+        raise ValueError(message)
+
+
+def verb_parser(verb: Optional[type] = None) -> argparse.ArgumentParser:
+    """The verb's own parser (torchtune-style): its flags, with help; positionals are the CONFIG or
+    directory and the Hydra overrides.  ``verb=None``: every verb's flags (parse_args' default)."""
+    options = dict(o for v in (RunVerb, *VERBS.values()) if not getattr(v, "raw_argv", False) for o in v.OPTIONS) \
+        if verb is None else dict(verb.OPTIONS)
+    p = _VerbParser(prog=f"launch {verb.NAME}" if verb else "launch", usage=getattr(verb, "USAGE", None),
+                    description=(verb.__doc__ or "").strip() if verb else None, add_help=False, allow_abbrev=False)
+    p.add_argument(*_HELP, dest="--help", action="store_true", help="show this help")
+    for flag, (metavar, text) in sorted(options.items()):
+        if metavar:
+            p.add_argument(flag, dest=flag, metavar=metavar, default=None, help=text)
+        else:
+            p.add_argument(flag, dest=flag, action="store_true", help=text)
+    p.add_argument("positional", nargs="*", metavar="ARG", help="CONFIG (or directory), then Hydra overrides")
+    return p
+
+
 def parse_args(argv: list[str], verb: Optional[type] = None) -> Args:
     """Positionals (config, overrides) and flags in any order. `--dryrun` is refused by name.
 
-    ``verb``: its ``VALUE_FLAGS`` and ``BOOL_FLAGS`` are the only flags accepted (default: every
-    verb's); any other flag, a misplaced one included, is an error naming the verb's flags."""
-    value_flags = _VALUE_FLAGS if verb is None else set(verb.VALUE_FLAGS)
-    bool_flags = _BOOL_FLAGS if verb is None else set(verb.BOOL_FLAGS) | _HELP
-    out = Args()
-    i = 0
-    while i < len(argv):
-        tok = argv[i]
-        if tok in bool_flags:
-            out.flags[tok] = True
-        elif tok in value_flags:
-            if i + 1 >= len(argv):
+    ``verb``: only its flags are accepted (default: every verb's); any other flag, a misplaced one
+    included, is an error naming the verb's flags."""
+    parser = verb_parser(verb)
+    value_flags = {a.option_strings[0] for a in parser._actions if a.option_strings and a.nargs is None}
+    valid = sorted(o for a in parser._actions for o in a.option_strings)
+    for i, tok in enumerate(argv):
+        key = tok.split("=", 1)[0]
+        if tok.startswith("-") and not tok.startswith("--=") and ("=" not in tok or tok.startswith("--")):
+            if key not in valid:
+                raise ValueError(_unknown_flag(key, verb, valid))
+            if tok in value_flags and i + 1 >= len(argv):
                 raise ValueError(f"{tok} needs a value")
-            out.flags[tok] = argv[i + 1]
-            i += 1
-        elif tok.startswith("--") and "=" in tok and tok.split("=", 1)[0] in value_flags:
-            k, v = tok.split("=", 1)
-            out.flags[k] = v
-        elif tok.startswith("-") and not tok.startswith("--=") and ("=" not in tok or tok.startswith("--")):
-            raise ValueError(_unknown_flag(tok.split("=", 1)[0], verb, sorted(bool_flags | value_flags)))
-        else:
-            out.positional.append(tok)
-        i += 1
-    return out
+    ns = vars(parser.parse_intermixed_args(argv))
+    flags = {k: v for k, v in ns.items() if k != "positional" and v not in (None, False)}
+    return Args(positional=list(ns["positional"]), flags=flags)
 
 
 def _unknown_flag(flag: str, verb: Optional[type], valid: list[str]) -> str:
@@ -89,9 +102,18 @@ class RunVerb:
     """Default verb: compose, validate, then dry-run, preflight or run the pipeline."""
 
     NAME = "CONFIG (run)"
-    VALUE_FLAGS = ("--resume", "--run-id", "--runs-root")
-    BOOL_FLAGS = ("--dry-run", "--json", "--preflight", "--detach", "--no-check-paths")
-    FLAGS = VALUE_FLAGS + BOOL_FLAGS
+    USAGE = "launch CONFIG [overrides...] [--dry-run [--json]] [--preflight] [--resume RUN_DIR] [--detach]"
+    OPTIONS = (
+        ("--dry-run", (None, "print the resolved config and the plan (no torch, no processes)")),
+        ("--json", (None, "with --dry-run: the plan as JSON")),
+        ("--preflight", (None, "start every stage's ranks and check their process groups only")),
+        ("--detach", (None, "executor=slurm: submit and return (follow with `launch status`)")),
+        ("--no-check-paths", (None, "skip the checks of checkpoints and datasets on this machine")),
+        ("--resume", ("RUN_DIR", "rerun in RUN_DIR the stages whose manifest does not match the config")),
+        ("--run-id", ("ID", "the run directory's name (default: date-time-random)")),
+        ("--runs-root", ("DIR", "where run directories go (as the override runs_root=DIR)")),
+    )
+    FLAGS = tuple(f for f, _ in OPTIONS)
 
     def __call__(self, args: Args) -> int:
         from launcher.config.validate import validate
@@ -165,9 +187,12 @@ class ValidateVerb:
     """`launch validate CONFIG [overrides]`: compose and validate only (no torch, no processes)."""
 
     NAME = "validate"
-    VALUE_FLAGS = ("--runs-root",)
-    BOOL_FLAGS = ("--no-check-paths",)
-    FLAGS = VALUE_FLAGS + BOOL_FLAGS
+    USAGE = "launch validate CONFIG [overrides...] [--no-check-paths]"
+    OPTIONS = (
+        ("--no-check-paths", (None, "skip the checks of checkpoints and datasets on this machine")),
+        ("--runs-root", ("DIR", "as the override runs_root=DIR")),
+    )
+    FLAGS = tuple(f for f, _ in OPTIONS)
 
     def __call__(self, args: Args) -> int:
         from launcher.config.validate import validate
@@ -183,9 +208,9 @@ class StatusVerb:
     """`launch status RUN_DIR`: each stage's state (from Slurm when the run was submitted there)."""
 
     NAME = "status"
-    VALUE_FLAGS: tuple = ()
-    BOOL_FLAGS: tuple = ()
-    FLAGS = VALUE_FLAGS + BOOL_FLAGS
+    USAGE = "launch status RUN_DIR"
+    OPTIONS: tuple = ()
+    FLAGS: tuple = ()
 
     def __call__(self, args: Args) -> int:
         from launcher.rundir import RunDirectory
@@ -232,9 +257,15 @@ class SuiteVerb:
     the nightly suite."""
 
     NAME = "suite"
-    VALUE_FLAGS = ("--test-level", "--junit", "--summary", "--exclude", "--runs-root")
-    BOOL_FLAGS: tuple = ()
-    FLAGS = VALUE_FLAGS + BOOL_FLAGS
+    USAGE = "launch suite EXAMPLES_DIR [overrides...] [--test-level N] [--junit FILE] [--summary FILE] [--exclude GLOB,...]"
+    OPTIONS = (
+        ("--test-level", ("N", "run examples whose test_level <= N (default 0)")),
+        ("--junit", ("FILE", "write JUnit XML (and a Markdown summary beside it)")),
+        ("--summary", ("FILE", "write the Markdown summary here")),
+        ("--exclude", ("GLOB,...", "report examples matching these globs as skipped")),
+        ("--runs-root", ("DIR", "where the examples' runs go (as the override runs_root=DIR)")),
+    )
+    FLAGS = tuple(f for f, _ in OPTIONS)
 
     def __call__(self, args: Args) -> int:
         from launcher.suite import run_suite
@@ -263,8 +294,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         if getattr(verb_cls, "raw_argv", False):
             return verb_cls()(argv)
         args = parse_args(argv, verb_cls)
-        if args.flag("--help") or args.flag("-h") or not argv:
-            print(__doc__)
+        if args.flag("--help") or not argv:
+            print(__doc__ if verb_cls is RunVerb else verb_parser(verb_cls).format_help())
+            if verb_cls is RunVerb and argv:
+                print(verb_parser(RunVerb).format_help())
             return 0 if argv else EXIT_USAGE
         return verb_cls()(args)
     except ConfigError as e:

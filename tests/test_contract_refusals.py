@@ -175,3 +175,12 @@ def test_dry_run_of_a_config_whose_disabled_stage_has_no_valid_grid(capsys):
     assert rc == 0, err
     vllm = [s for s in json.loads(out)["stages"] if s["name"] == "vllm_smoke"][0]
     assert vllm == {"name": "vllm_smoke", "enabled": False}
+
+
+def test_each_verb_has_its_own_help(capsys):
+    assert main(["suite", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: launch suite EXAMPLES_DIR") and "--junit FILE" in out and "--dry-run" not in out
+    assert main([TINY, "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--resume RUN_DIR" in out and "--junit" not in out.split("options:")[1]
