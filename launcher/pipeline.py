@@ -192,7 +192,7 @@ def _print_summary(run: RunDirectory) -> None:
     results = read_json(run.layout.mmlu_results)
     if results:
         print(f"[launch]   mmlu accuracy {results.get('accuracy')} (n={results.get('n')}, "
-              f"bound {results.get('lower_bound', results.get('bound'))}, pass={results.get('pass')})", flush=True)
+              f"bound {results.get('lower_bound')}, pass={results.get('pass')})", flush=True)
 
 
 def _dims_if_valid(cfg: DictConfig, stage: str):

@@ -145,7 +145,7 @@ def _one_example(path: str, test_level: int, gpus: int, overrides: list[str], ru
     for name, st in (meta or {}).get("stages", {}).items():
         entry = {"name": name, "status": st.get("status"), "duration_s": st.get("duration_s"), "reason": st.get("reason", "")}
         if name == StageName.MMLU and results:
-            entry.update(accuracy=results.get("accuracy"), bound=results.get("lower_bound", results.get("bound")))
+            entry.update(accuracy=results.get("accuracy"), bound=results.get("lower_bound"))
         out.stages.append(entry)
     if proc.returncode == 0:
         out.status = "passed"

@@ -1,7 +1,7 @@
 """Slurm executor: one sbatch job per stage, chained by job dependencies; state read from Slurm.
 
 Submission is plain ``sbatch --parsable`` and state is ``scontrol show job -o`` - no client
-library.  submitit (tried here, notes/local-slurm.md) pickles a Python callable and polls
+library.  submitit (tried with this project's local Slurm) pickles a Python callable and polls
 ``sacct``: our stages are already a command line (``python -m launcher.worker STAGE RUN_DIR``), we
 need the script itself rendered by a pure, golden-tested function, and without slurmdbd ``sacct``
 fails, so submitit waits forever on a job cancelled from outside.  ``scontrol`` answers for every

@@ -144,7 +144,7 @@ def render_sbatch(plan: StagePlan, cfg: Any, run_dir: str, job_name: Optional[st
     # the job back in the queue to rerun unseen when the node returns (Slurm requeues batch jobs
     # by default); a site that wants that passes --requeue in sbatch_args, which comes later and wins
     sb.append("--no-requeue")
-    # site-specific flags (--constraint=..., --reservation=..., --exclusive); proposed schema key
+    # site-specific flags (--constraint=..., --reservation=..., --exclusive): executor.sbatch_args
     sb += [str(a) for a in (_get(cfg, "sbatch_args", []) or [])]
     sb += [
         f"--output={plan.log_path}",
@@ -180,7 +180,7 @@ def render_sbatch(plan: StagePlan, cfg: Any, run_dir: str, job_name: Optional[st
     ]
 
     srun = ["srun", f"--ntasks={plan.world_size}", f"--ntasks-per-node={ntpn}", "--kill-on-bad-exit=1"]
-    srun += [str(a) for a in (_get(cfg, "srun_args", []) or [])]   # proposed schema key, e.g. --mpi=pmix
+    srun += [str(a) for a in (_get(cfg, "srun_args", []) or [])]   # executor.srun_args, e.g. --mpi=pmix
     image = _get(cfg, "container_image")
     if image:
         srun.append(f"--container-image={q(str(image))}")

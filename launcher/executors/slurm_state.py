@@ -3,7 +3,8 @@
 ``scontrol show job -o ID`` prints one line of ``Key=Value`` pairs; values may contain spaces
 (``Command=``, ``WorkDir=``, ``Comment=``), so a token only starts a new pair when it looks like
 ``Key=``.  ``scontrol`` keeps ended jobs for ``MinJobAge`` seconds (300 by default) - longer than
-our poll interval, and unlike ``sacct`` it needs no accounting daemon (notes/local-slurm.md).
+our poll interval, and unlike ``sacct`` it needs no accounting daemon
+(tests/slurm_cluster.py runs none).
 """
 from __future__ import annotations
 
