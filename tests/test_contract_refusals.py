@@ -184,3 +184,14 @@ def test_each_verb_has_its_own_help(capsys):
     assert main([TINY, "--help"]) == 0
     out = capsys.readouterr().out
     assert "--resume RUN_DIR" in out and "--junit" not in out.split("options:")[1]
+
+
+@pytest.mark.parametrize("override", ["env={HF_TOKEN:abc}", "env.HF_TOKEN=abc"])
+def test_setting_env_the_wrong_way_says_how_to_set_a_secret(capsys, override):
+    rc, lines = validate(capsys, override)
+    assert rc == 2 and len(lines) == 1
+    key = override.split("=")[0]
+    assert lines[0].startswith(f"launch: cannot set {key!r} this way: env holds variables for every rank: add one "
+                               "with `+env.NAME=value`")
+    assert "export it in the shell that runs `launch` (e.g. `export HF_TOKEN=...`)" in lines[0]
+    assert validate(capsys, "+env.HF_TOKEN=abc")[0] == 0
