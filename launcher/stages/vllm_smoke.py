@@ -160,7 +160,7 @@ def _refused(ctx: StageContext, cap: dict, model_dir: str) -> bool:
 
 
 def _inputs(ctx: StageContext, model_dir: str) -> tuple[Optional[GateSet], Optional[Checks]]:
-    from launcher.stages.mmlu import load_tokenizer
+    from launcher.mmlu.prepared import load_tokenizer
 
     sc, cfg = ctx.stage_cfg, ctx.cfg
     trust = bool(cfg.model.get("trust_remote_code", False))
