@@ -65,18 +65,25 @@ class ParallelConfig:
 
 
 @dataclass
-class LocalExecutorConfig:
-    kind: str = "local"
+class ExecutorConfig:
+    """What every executor takes; each kind (config group ``executor``) extends it."""
+
+    kind: str = MISSING                # local | slurm
     device: str = "auto"               # auto | cpu | cuda
-    master_port: Optional[int] = None  # default: a free port
     omp_num_threads: int = 1
     collective_timeout_s: int = 120    # process-group timeout for every stage
+    # master_port is each kind's own: a free port here (local), derived from the job id (slurm)
 
 
 @dataclass
-class SlurmExecutorConfig:
+class LocalExecutorConfig(ExecutorConfig):
+    kind: str = "local"
+    master_port: Optional[int] = None  # default: a free port
+
+
+@dataclass
+class SlurmExecutorConfig(ExecutorConfig):
     kind: str = "slurm"
-    device: str = "auto"
     partition: Optional[str] = None
     account: Optional[str] = None
     qos: Optional[str] = None
@@ -93,8 +100,6 @@ class SlurmExecutorConfig:
     sbatch_args: list[str] = field(default_factory=list)  # extra #SBATCH flags, e.g. ["--exclusive"]
     srun_args: list[str] = field(default_factory=list)    # extra srun flags, e.g. ["--mpi=pmix"]
     poll_interval_s: float = 2.0
-    omp_num_threads: int = 1
-    collective_timeout_s: int = 120
     master_port: int = 0               # 0: 20000 + job id % 20000 (jobs sharing a node never collide)
 
 
@@ -191,6 +196,6 @@ class PipelineConfig:
     seed: int = 1234
     model: ModelCard = MISSING
     recipe: RecipeConfig = MISSING
-    executor: Any = MISSING            # LocalExecutorConfig | SlurmExecutorConfig (group `executor`)
+    executor: Any = MISSING            # an ExecutorConfig: LocalExecutorConfig | SlurmExecutorConfig (group `executor`)
     stages: Stages = field(default_factory=Stages)
     env: dict[str, str] = field(default_factory=dict)  # exported to every rank; secrets masked in config.yaml
