@@ -195,3 +195,38 @@ def test_setting_env_the_wrong_way_says_how_to_set_a_secret(capsys, override):
                                "with `+env.NAME=value`")
     assert "export it in the shell that runs `launch` (e.g. `export HF_TOKEN=...`)" in lines[0]
     assert validate(capsys, "+env.HF_TOKEN=abc")[0] == 0
+
+
+def test_validate_and_the_gate_agree_on_every_gate_setting():
+    """The gate's rules are the gate's (launcher.mmlu.gate.check_gate_config, run by the stage on
+    every rank): over the whole grid of gate settings, validate refuses exactly what it refuses."""
+    import copy
+    import itertools
+
+    from omegaconf import OmegaConf
+
+    from launcher.config.compose import ConfigError, compose_example
+    from launcher.config.validate import validate as validate_cfg
+    from launcher.mmlu.gate import check_gate_config
+
+    base = compose_example(os.path.join(ROOT, NANO), ["stages.mmlu.baseline_cache_dir=/nonexistent"])
+    grid = itertools.product((None, 0.0, 0.5, 1.5), (None, 0.02, -1.0), ("none", "recorded", "evaluate", "cached"),
+                             (None, 0.7, 2.0))
+    disagree = []
+    for lower, drop, baseline, acc in grid:
+        cfg = copy.deepcopy(base)
+        for k, v in (("lower_bound", lower), ("max_drop", drop), ("baseline", baseline), ("baseline_accuracy", acc)):
+            OmegaConf.update(cfg, f"stages.mmlu.{k}", v, merge=True)
+        try:
+            validate_cfg(cfg, check_paths=False)
+            accepted = True
+        except ConfigError:
+            accepted = False
+        try:
+            check_gate_config(lower, drop, baseline, acc)
+            gate_ok = True
+        except ValueError:
+            gate_ok = False
+        if accepted != gate_ok:
+            disagree.append((lower, drop, baseline, acc, accepted, gate_ok))
+    assert disagree == []

@@ -304,6 +304,7 @@ def _check_mmlu(cfg: DictConfig, err: _Errors, warnings: list[str], check_paths:
     if m.baseline_accuracy is not None and m.baseline != "recorded":
         err.add(f"{key}.baseline_accuracy", m.baseline_accuracy,
                 f"only used with stages.mmlu.baseline=recorded (got baseline={m.baseline!r})")
+    _check_gate_rules(m, err)
     if m.baseline == "cached" and check_paths:
         from launcher.mmlu import baseline_cache  # pure Python: reads the cache's JSON entries
 
@@ -349,6 +350,20 @@ def _check_mmlu(cfg: DictConfig, err: _Errors, warnings: list[str], check_paths:
         err.add(f"{key}.few_shots", m.few_shots, "a jsonl dataset has no dev split: set stages.mmlu.dev_dataset")
     if not cfg.stages.quantize.enabled and cfg.recipe.format != "none":
         warnings.append("stages.mmlu evaluates the unquantized checkpoint: stages.quantize is disabled")
+
+
+def _check_gate_rules(m: DictConfig, err: _Errors) -> None:
+    """The gate's own checker (what the mmlu stage runs first on every rank), unless the lines
+    above already named one of its keys: a rule of the gate can never pass here and fail there."""
+    from launcher.mmlu.gate import check_gate_config  # pure Python
+
+    keys = ("lower_bound", "max_drop", "baseline", "baseline_accuracy")
+    if any(line.startswith(tuple(f"stages.mmlu.{k}=" for k in keys)) for line in err.lines):
+        return
+    try:
+        check_gate_config(m.lower_bound, m.max_drop, m.baseline, m.baseline_accuracy)
+    except ValueError as e:   # its messages name the key and the valid values already
+        err.lines.append(str(e))
 
 
 def _check_export(cfg: DictConfig, err: _Errors) -> None:
