@@ -12,9 +12,9 @@
   FP8 0.1%), which may be one quantization step of the exported format off
   (``dequant.quantization_step``; unquantized weights: no step): a GPU fake-quant kernel and
   the export's torch arithmetic may break rounding ties differently.  ``flip_blocks`` counts the
-  16-element blocks the flips fall in.  Wrong data (another expert's weights) fails both bounds.
-  The measurements behind these numbers: benchmarks/README.md, "Measurements behind the export
-  verifier and the FP8 fix".
+  NVFP4 blocks (16 or 32 elements) the flips fall in.  Wrong data (another expert's weights)
+  fails both bounds.  The measurements behind these numbers: benchmarks/README.md,
+  "Measurements behind the export verifier and the FP8 fix".
 """
 from __future__ import annotations
 
