@@ -29,6 +29,8 @@ tiny-nemotron: venv
 
 demo: venv tiny-qwen
 	$(VENV)/bin/launch examples/tiny/Qwen3-MoE-tiny/megatron_lm_ptq.yaml
+	@echo "make demo: NVFP4 cannot be served by vLLM on CPU, so its vllm_smoke is skipped; for the real smoke run" \
+	  "make vllm-env, then $(VENV)/bin/launch examples/tiny/Qwen3-MoE-tiny/megatron_lm_ptq.yaml recipe=none"
 
 demo-nemotron: venv tiny-nemotron
 	$(VENV)/bin/launch examples/tiny/NemotronH-MoE-tiny/megatron_lm_ptq.yaml

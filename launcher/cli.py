@@ -4,23 +4,26 @@
     launch validate CONFIG [overrides...]        compose + validate (no torch), exit 2 on errors
     launch status RUN_DIR                        per-stage state (metadata.json, Slurm when submitted)
     launch verify EXPORT_DIR [--recipe NAME] [--source HF_DIR]
-    launch suite EXAMPLES_DIR [--test-level N] [--junit FILE] [--summary FILE]
+    launch suite EXAMPLES_DIR [--test-level N] [--junit FILE] [--summary FILE] [--exclude GLOB,...] [--runs-root DIR]
 
-Flags may stand before or after the overrides.  Overrides use Hydra's syntax
+Flags may stand before or after the overrides; each verb accepts its own flags only (any other
+flag is an error naming the verb's flags).  Overrides use Hydra's syntax
 (`stages.mmlu.lower_bound=0.62`, `executor=slurm`, `recipe=fp8_default`).
-Exit codes: 0 ok, 1 a stage failed, 2 invalid config or usage, 3 gate failed, 130 cancelled.
+Exit codes (launcher.contract.ExitCode): 0 ok, 1 a stage failed, 2 invalid config or usage, 3 gate failed,
+4 desync guard tripped, 5 preflight failed, 130 cancelled.
 """
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from dataclasses import dataclass, field
 from typing import Optional
 
-EXIT_USAGE = 2
-_VALUE_FLAGS = {"--resume", "--run-id", "--test-level", "--junit", "--summary", "--recipe", "--source", "--runs-root",
-                "--exclude"}
-_BOOL_FLAGS = {"--dry-run", "--json", "--preflight", "--detach", "--no-check-paths", "--help", "-h"}
+from launcher.contract import ExitCode, JobState, StageStatus
+
+EXIT_USAGE = ExitCode.USAGE
+_HELP = ("--help", "-h")
 
 
 @dataclass
@@ -32,30 +35,56 @@ class Args:
         return self.flags.get(name, default)
 
 
-def parse_args(argv: list[str]) -> Args:
-    """Positionals (config, overrides) and flags in any order. `--dryrun` is refused by name."""
-    out = Args()
-    i = 0
-    while i < len(argv):
-        tok = argv[i]
-        if tok in _BOOL_FLAGS:
-            out.flags[tok] = True
-        elif tok in _VALUE_FLAGS:
-            if i + 1 >= len(argv):
-                raise ValueError(f"{tok} needs a value")
-            out.flags[tok] = argv[i + 1]
-            i += 1
-        elif tok.startswith("--") and "=" in tok and tok.split("=", 1)[0] in _VALUE_FLAGS:
-            k, v = tok.split("=", 1)
-            out.flags[k] = v
-        elif tok.startswith("-") and not tok.startswith("--=") and "=" not in tok:
-            valid = ", ".join(sorted(_BOOL_FLAGS | _VALUE_FLAGS))
-            hint = " (did you mean --dry-run?)" if tok.replace("-", "") == "dryrun" else ""
-            raise ValueError(f"unknown flag {tok}{hint}; valid flags: {valid}")
+class _VerbParser(argparse.ArgumentParser):
+    """argparse, with its usage errors raised as ValueError (main prints them and exits 2)."""
+
+    def error(self, message: str):
+        raise ValueError(message)
+
+
+def verb_parser(verb: Optional[type] = None) -> argparse.ArgumentParser:
+    """The verb's own parser (torchtune-style): its flags, with help; positionals are the CONFIG or
+    directory and the Hydra overrides.  ``verb=None``: every verb's flags (parse_args' default)."""
+    options = dict(o for v in (RunVerb, *VERBS.values()) if not getattr(v, "raw_argv", False) for o in v.OPTIONS) \
+        if verb is None else dict(verb.OPTIONS)
+    p = _VerbParser(prog=f"launch {verb.NAME}" if verb else "launch", usage=getattr(verb, "USAGE", None),
+                    description=(verb.__doc__ or "").strip() if verb else None, add_help=False, allow_abbrev=False)
+    p.add_argument(*_HELP, dest="--help", action="store_true", help="show this help")
+    for flag, (metavar, text) in sorted(options.items()):
+        if metavar:
+            p.add_argument(flag, dest=flag, metavar=metavar, default=None, help=text)
         else:
-            out.positional.append(tok)
-        i += 1
-    return out
+            p.add_argument(flag, dest=flag, action="store_true", help=text)
+    p.add_argument("positional", nargs="*", metavar="ARG", help="CONFIG (or directory), then Hydra overrides")
+    return p
+
+
+def parse_args(argv: list[str], verb: Optional[type] = None) -> Args:
+    """Positionals (config, overrides) and flags in any order. `--dryrun` is refused by name.
+
+    ``verb``: only its flags are accepted (default: every verb's); any other flag, a misplaced one
+    included, is an error naming the verb's flags."""
+    parser = verb_parser(verb)
+    value_flags = {a.option_strings[0] for a in parser._actions if a.option_strings and a.nargs is None}
+    valid = sorted(o for a in parser._actions for o in a.option_strings)
+    for i, tok in enumerate(argv):
+        key = tok.split("=", 1)[0]
+        if tok.startswith("-") and not tok.startswith("--=") and ("=" not in tok or tok.startswith("--")):
+            if key not in valid:
+                raise ValueError(_unknown_flag(key, verb, valid))
+            if tok in value_flags and i + 1 >= len(argv):
+                raise ValueError(f"{tok} needs a value")
+    ns = vars(parser.parse_intermixed_args(argv))
+    flags = {k: v for k, v in ns.items() if k != "positional" and v not in (None, False)}
+    return Args(positional=list(ns["positional"]), flags=flags)
+
+
+def _unknown_flag(flag: str, verb: Optional[type], valid: list[str]) -> str:
+    hint = " (did you mean --dry-run?)" if flag != "--dry-run" and flag.replace("-", "") == "dryrun" else ""
+    where = f" for `launch {verb.NAME}`" if verb is not None else ""
+    owners = [v.NAME for v in (RunVerb, *VERBS.values()) if v is not verb and flag in v.FLAGS]
+    elsewhere = f" ({flag} is a flag of `launch {'`, `launch '.join(owners)}`)" if owners else ""
+    return f"unknown flag {flag}{hint}{where}; valid flags: {', '.join(valid)}{elsewhere}"
 
 
 def _compose(args: Args):
@@ -71,6 +100,20 @@ def _compose(args: Args):
 
 class RunVerb:
     """Default verb: compose, validate, then dry-run, preflight or run the pipeline."""
+
+    NAME = "CONFIG (run)"
+    USAGE = "launch CONFIG [overrides...] [--dry-run [--json]] [--preflight] [--resume RUN_DIR] [--detach]"
+    OPTIONS = (
+        ("--dry-run", (None, "print the resolved config and the plan (no torch, no processes)")),
+        ("--json", (None, "with --dry-run: the plan as JSON")),
+        ("--preflight", (None, "start every stage's ranks and check their process groups only")),
+        ("--detach", (None, "executor=slurm: submit and return (follow with `launch status`)")),
+        ("--no-check-paths", (None, "skip the checks of checkpoints and datasets on this machine")),
+        ("--resume", ("RUN_DIR", "rerun in RUN_DIR the stages whose manifest does not match the config")),
+        ("--run-id", ("ID", "the run directory's name (default: date-time-random)")),
+        ("--runs-root", ("DIR", "where run directories go (as the override runs_root=DIR)")),
+    )
+    FLAGS = tuple(f for f, _ in OPTIONS)
 
     def __call__(self, args: Args) -> int:
         from launcher.config.validate import validate
@@ -88,7 +131,7 @@ class RunVerb:
         resume = args.flag("--resume")
         if resume:
             run = RunDirectory(resume)
-            if not os.path.isfile(os.path.join(run.path, "metadata.json")):
+            if not run.is_run_directory():
                 raise ValueError(f"--resume {resume}: not a run directory (no metadata.json)")
             run.write_config(cfg)
         else:
@@ -126,23 +169,30 @@ class RunVerb:
             for kind, groups in dims.groups.items():
                 shown = groups if dims.world_size <= 16 else f"{len(groups)} groups of {len(groups[0])}"
                 print(f"   {kind:<9} {shown}")
-            print("   command: " + " ".join(self._command(cfg, plans[st["name"]])))
+            print("   command: " + " ".join(self._command(cfg, plans[st["name"]], run_dir)))
         return 0
 
     @staticmethod
-    def _command(cfg, plan) -> list[str]:
+    def _command(cfg, plan, run_dir: str) -> list[str]:
         if cfg.executor.kind == "local":
             from launcher.executors.local import LocalExecutor
 
             return LocalExecutor(cfg.executor, "").agent_argv(plan, cfg.executor.master_port or 0)
         from launcher.executors.slurm_script import render_sbatch
 
-        run_dir = os.path.dirname(os.path.dirname(plan.log_path))
         return ["sbatch <<'EOF'\n" + render_sbatch(plan, cfg.executor, run_dir) + "EOF"]
 
 
 class ValidateVerb:
     """`launch validate CONFIG [overrides]`: compose and validate only (no torch, no processes)."""
+
+    NAME = "validate"
+    USAGE = "launch validate CONFIG [overrides...] [--no-check-paths]"
+    OPTIONS = (
+        ("--no-check-paths", (None, "skip the checks of checkpoints and datasets on this machine")),
+        ("--runs-root", ("DIR", "as the override runs_root=DIR")),
+    )
+    FLAGS = tuple(f for f, _ in OPTIONS)
 
     def __call__(self, args: Args) -> int:
         from launcher.config.validate import validate
@@ -157,13 +207,18 @@ class ValidateVerb:
 class StatusVerb:
     """`launch status RUN_DIR`: each stage's state (from Slurm when the run was submitted there)."""
 
+    NAME = "status"
+    USAGE = "launch status RUN_DIR"
+    OPTIONS: tuple = ()
+    FLAGS: tuple = ()
+
     def __call__(self, args: Args) -> int:
         from launcher.rundir import RunDirectory
 
         if not args.positional:
             raise ValueError("usage: launch status RUN_DIR")
         run = RunDirectory(args.positional[0])
-        if not os.path.isfile(os.path.join(run.path, "metadata.json")):
+        if not run.is_run_directory():
             raise ValueError(f"{args.positional[0]}: not a run directory (no metadata.json)")
         meta = run.metadata()
         slurm_states: dict = {}
@@ -178,8 +233,8 @@ class StatusVerb:
             extra = f" job {st['job_id']}" if st.get("job_id") else ""
             reason = f" - {st['reason']}" if st.get("reason") else ""
             print(f"  {name:<11} {state}{extra}{reason}")
-            if str(state).lower() in ("failed", "cancelled", "timeout"):
-                worst = 1
+            if str(state).lower() in (StageStatus.FAILED, StageStatus.CANCELLED, JobState.TIMEOUT.lower()):
+                worst = ExitCode.FAILED
         return worst
 
 
@@ -188,6 +243,8 @@ class VerifyVerb:
     [--samples N] [--json]`: check an HF export (its own flags; see launcher.export.verify)."""
 
     raw_argv = True
+    NAME = "verify"
+    FLAGS = ("--recipe", "--source", "--num-layers", "--num-experts", "--samples", "--json")
 
     def __call__(self, argv: list[str]) -> int:
         from launcher.export.verify import verify_export_main
@@ -199,6 +256,17 @@ class SuiteVerb:
     """`launch suite EXAMPLES_DIR [--test-level N] [--junit FILE] [--summary FILE] [--exclude GLOB,...]`:
     the nightly suite."""
 
+    NAME = "suite"
+    USAGE = "launch suite EXAMPLES_DIR [overrides...] [--test-level N] [--junit FILE] [--summary FILE] [--exclude GLOB,...]"
+    OPTIONS = (
+        ("--test-level", ("N", "run examples whose test_level <= N (default 0)")),
+        ("--junit", ("FILE", "write JUnit XML (and a Markdown summary beside it)")),
+        ("--summary", ("FILE", "write the Markdown summary here")),
+        ("--exclude", ("GLOB,...", "report examples matching these globs as skipped")),
+        ("--runs-root", ("DIR", "where the examples' runs go (as the override runs_root=DIR)")),
+    )
+    FLAGS = tuple(f for f, _ in OPTIONS)
+
     def __call__(self, args: Args) -> int:
         from launcher.suite import run_suite
 
@@ -206,7 +274,7 @@ class SuiteVerb:
             raise ValueError("usage: launch suite EXAMPLES_DIR [--test-level N] [--junit FILE]")
         return run_suite(args.positional[0], test_level=int(args.flag("--test-level", 0)),
                          junit=args.flag("--junit"), summary=args.flag("--summary"),
-                         overrides=args.positional[1:],
+                         overrides=args.positional[1:], runs_root=args.flag("--runs-root"),
                          exclude=[p for p in str(args.flag("--exclude") or "").split(",") if p])
 
 
@@ -225,9 +293,11 @@ def main(argv: Optional[list[str]] = None) -> int:
             verb_cls = RunVerb
         if getattr(verb_cls, "raw_argv", False):
             return verb_cls()(argv)
-        args = parse_args(argv)
-        if args.flag("--help") or args.flag("-h") or not argv:
-            print(__doc__)
+        args = parse_args(argv, verb_cls)
+        if args.flag("--help") or not argv:
+            print(__doc__ if verb_cls is RunVerb else verb_parser(verb_cls).format_help())
+            if verb_cls is RunVerb and argv:
+                print(verb_parser(RunVerb).format_help())
             return 0 if argv else EXIT_USAGE
         return verb_cls()(args)
     except ConfigError as e:

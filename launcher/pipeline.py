@@ -14,15 +14,13 @@ from typing import Optional
 
 from omegaconf import DictConfig
 
-from launcher.config.schema import STAGE_ORDER
 from launcher.config.validate import enabled_stages, stage_dims
-from launcher.executors.base import CANCELLED, COMPLETED, FAILED, StagePlan
-from launcher.rundir import (DISABLED, RUNNING, SKIPPED, RunDirectory, read_json, split_secrets)
-from launcher.stages.context import EXIT_DESYNC, EXIT_GATE_FAILED, EXIT_PREFLIGHT
+from launcher.contract import (
+    EXIT_REASONS, STAGE_ORDER, ExitCode, JobState, RunLayout, StageName, StageStatus, split_secrets)
+from launcher.executors.base import StagePlan
+from launcher.rundir import RunDirectory, read_json
 
 QUIET_WARNINGS = "ignore::FutureWarning,ignore::DeprecationWarning,ignore::UserWarning"
-EXIT_REASONS = {EXIT_GATE_FAILED: "gate failed (accuracy below the bound)", EXIT_DESYNC: "desync guard tripped",
-                EXIT_PREFLIGHT: "preflight failed (process groups)", 130: "cancelled"}
 
 
 def stage_plan(cfg: DictConfig, stage: str, run_dir: str, python: Optional[str] = None,
@@ -36,7 +34,7 @@ def stage_plan(cfg: DictConfig, stage: str, run_dir: str, python: Optional[str] 
     # PYTHONWARNINGS (env or `env.PYTHONWARNINGS=...`) wins.
     plain_env = {"PYTHONWARNINGS": os.environ.get("PYTHONWARNINGS", QUIET_WARNINGS), **plain_env}
     return StagePlan(name=stage, world_size=dims.world_size, argv=argv, env=plain_env,
-                     log_path=os.path.join(run_dir, stage, "log.txt"), allow_to_fail=bool(cfg.allow_to_fail))
+                     log_path=RunLayout(run_dir).log(stage), allow_to_fail=bool(cfg.allow_to_fail))
 
 
 def build_plans(cfg: DictConfig, run_dir: str, python: Optional[str] = None,
@@ -72,7 +70,7 @@ def stages_to_run(cfg: DictConfig, run: RunDirectory, resume: bool) -> list[str]
     out, rerun = [], False
     for s in todo:
         if not rerun and run.stage_is_current(cfg, s):
-            run.update_stage(s, status=SKIPPED, reason="resume: manifest matches the config")
+            run.update_stage(s, status=StageStatus.SKIPPED, reason="resume: manifest matches the config")
             print(f"[launch] {s}: skipped (resume: manifest matches the config)", flush=True)
             continue
         rerun = True
@@ -82,14 +80,15 @@ def stages_to_run(cfg: DictConfig, run: RunDirectory, resume: bool) -> list[str]
 
 def _record_stage_outcome(run: RunDirectory, stage: str, state: str, exit_code: int) -> str:
     """metadata.json for a finished stage; returns its status word."""
-    skip = read_json(os.path.join(run.stage_dir(stage), "skip.json"))
-    if state == COMPLETED and skip:
-        run.update_stage(stage, status=SKIPPED, reason=skip.get("reason", ""), exit_code=exit_code)
+    skip = read_json(run.layout.skip(stage))
+    if state == JobState.COMPLETED and skip:
+        run.update_stage(stage, status=StageStatus.SKIPPED, reason=skip.get("reason", ""), exit_code=exit_code)
         print(f"[launch] {stage}: SKIPPED - {skip.get('reason', '')}", flush=True)
-        return SKIPPED
-    status = {COMPLETED: "completed", FAILED: "failed", CANCELLED: "cancelled"}.get(state, state.lower())
+        return StageStatus.SKIPPED
+    status = {JobState.COMPLETED: StageStatus.COMPLETED, JobState.FAILED: StageStatus.FAILED,
+              JobState.CANCELLED: StageStatus.CANCELLED}.get(state, state.lower())
     fields = {"status": status, "exit_code": exit_code, "state": state}
-    if state != COMPLETED:
+    if state != JobState.COMPLETED:
         fields["reason"] = EXIT_REASONS.get(exit_code, f"exit code {exit_code}")
     run.update_stage(stage, **fields)
     return status
@@ -101,7 +100,7 @@ def run_pipeline(cfg: DictConfig, run: RunDirectory, resume: bool = False, prefl
     _export_secrets(cfg)
     todo = enabled_stages(cfg) if preflight_only else stages_to_run(cfg, run, resume)
     plans = build_plans(cfg, run.path, preflight_only=preflight_only, stages=todo)
-    run.update_run(status=RUNNING, started=time.time())
+    run.update_run(status=StageStatus.RUNNING, started=time.time())
     if cfg.executor.kind == "slurm":
         return _run_slurm(cfg, run, plans, detach)
     return _run_local(cfg, run, plans, preflight_only)
@@ -113,27 +112,28 @@ def _run_local(cfg: DictConfig, run: RunDirectory, plans: list[StagePlan], prefl
     for i, plan in enumerate(plans):
         what = "preflight" if preflight_only else "running"
         print(f"[launch] {plan.name}: {what} on {plan.world_size} local rank(s) -> {plan.log_path}", flush=True)
-        run.update_stage(plan.name, status=RUNNING, world_size=plan.world_size)
+        run.update_stage(plan.name, status=StageStatus.RUNNING, world_size=plan.world_size)
         result = executor.run_stage(plan)
         status = _record_stage_outcome(run, plan.name, result.state, result.exit_code)
         print(f"[launch] {plan.name}: {status} in {result.duration_s:.1f}s (exit {result.exit_code})", flush=True)
-        if result.state == CANCELLED:
+        if result.state == JobState.CANCELLED:
             _mark_not_run(run, [p.name for p in plans[i + 1:]], "cancelled")
-            run.update_run(status="cancelled", ended=time.time())
-            return 130
-        if result.state != COMPLETED:
-            final_code = result.exit_code or 1
+            run.update_run(status=StageStatus.CANCELLED, ended=time.time())
+            return ExitCode.CANCELLED
+        if result.state != JobState.COMPLETED:
+            final_code = result.exit_code or ExitCode.FAILED
             if not cfg.allow_to_fail:
                 _mark_not_run(run, [p.name for p in plans[i + 1:]], f"{plan.name} failed")
                 break
-    run.update_run(status="completed" if final_code == 0 else "failed", ended=time.time(), exit_code=final_code)
+    run.update_run(status=StageStatus.COMPLETED if final_code == 0 else StageStatus.FAILED, ended=time.time(),
+                   exit_code=final_code)
     _print_summary(run)
     return final_code
 
 
 def _mark_not_run(run: RunDirectory, stages: list[str], why: str) -> None:
     for s in stages:
-        run.update_stage(s, status="not_run", reason=why)
+        run.update_stage(s, status=StageStatus.NOT_RUN, reason=why)
         print(f"[launch] {s}: not run ({why})", flush=True)
 
 
@@ -141,15 +141,15 @@ def _run_slurm(cfg: DictConfig, run: RunDirectory, plans: list[StagePlan], detac
     executor = make_executor(cfg, run.path)
     job_ids = executor.submit(plans)
     for plan, job in zip(plans, job_ids):
-        run.update_stage(plan.name, status="submitted", job_id=job)
+        run.update_stage(plan.name, status=StageStatus.SUBMITTED, job_id=job)
         print(f"[launch] {plan.name}: submitted as Slurm job {job}", flush=True)
     if detach:
         print(f"[launch] detached; follow with: launch status {run.path}", flush=True)
         return 0
 
     def on_state(stage: str, state: str, info: dict) -> None:
-        if state == "RUNNING":
-            run.update_stage(stage, status=RUNNING)
+        if state == JobState.RUNNING:
+            run.update_stage(stage, status=StageStatus.RUNNING)
         print(f"[launch] {stage}: {state} {info.get('reason', '') or ''}".rstrip(), flush=True)
 
     try:
@@ -157,15 +157,15 @@ def _run_slurm(cfg: DictConfig, run: RunDirectory, plans: list[StagePlan], detac
     except KeyboardInterrupt:
         executor.cancel(job_ids)
         for plan in plans:
-            run.update_stage(plan.name, status="cancelled", reason="Ctrl-C: cancelled by launch")
-        run.update_run(status="cancelled", ended=time.time())
-        return 130
+            run.update_stage(plan.name, status=StageStatus.CANCELLED, reason="Ctrl-C: cancelled by launch")
+        run.update_run(status=StageStatus.CANCELLED, ended=time.time())
+        return ExitCode.CANCELLED
     final_code = 0
     for plan in plans:
-        state = finals.get(plan.name, "UNKNOWN")
-        code = 0 if state == COMPLETED else int(executor.job_info(plan.name).get("exit_code") or 1)
+        state = finals.get(plan.name, JobState.UNKNOWN)
+        code = 0 if state == JobState.COMPLETED else int(executor.job_info(plan.name).get("exit_code") or 1)
         _record_stage_outcome(run, plan.name, state, code)
-        if state != COMPLETED:
+        if state != JobState.COMPLETED:
             run.update_stage(plan.name, reason=f"Slurm state {state}" + (f": {EXIT_REASONS[code]}" if code in EXIT_REASONS else ""))
             errors = executor.failure_lines(plan.name)   # which task, node or rank failed, from the log
             if errors:
@@ -173,7 +173,8 @@ def _run_slurm(cfg: DictConfig, run: RunDirectory, plans: list[StagePlan], detac
                 for line in errors:
                     print(f"[launch] {plan.name}: {line}", flush=True)
             final_code = final_code or code or 1
-    run.update_run(status="completed" if final_code == 0 else "failed", ended=time.time(), exit_code=final_code)
+    run.update_run(status=StageStatus.COMPLETED if final_code == 0 else StageStatus.FAILED, ended=time.time(),
+                   exit_code=final_code)
     _print_summary(run)
     return final_code
 
@@ -183,15 +184,22 @@ def _print_summary(run: RunDirectory) -> None:
     print(f"[launch] run {meta['run_id']}: {meta['status']}  ({run.path})", flush=True)
     for s in STAGE_ORDER:
         st = meta["stages"].get(s, {})
-        if st.get("status") == DISABLED and not st.get("reason"):
+        if st.get("status") == StageStatus.DISABLED and not st.get("reason"):
             continue
         extra = f" - {st['reason']}" if st.get("reason") else ""
         dur = f" {st['duration_s']:.1f}s" if "duration_s" in st else ""
         print(f"[launch]   {s:<11} {st.get('status', '?'):<10}{dur}{extra}", flush=True)
-    results = read_json(os.path.join(run.path, "mmlu", "results.json"))
+    results = read_json(run.layout.mmlu_results)
     if results:
         print(f"[launch]   mmlu accuracy {results.get('accuracy')} (n={results.get('n')}, "
-              f"bound {results.get('lower_bound', results.get('bound'))}, pass={results.get('pass')})", flush=True)
+              f"bound {results.get('lower_bound')}, pass={results.get('pass')})", flush=True)
+
+
+def _dims_if_valid(cfg: DictConfig, stage: str):
+    try:
+        return stage_dims(cfg, stage)
+    except ValueError:
+        return None
 
 
 def describe_plan(cfg: DictConfig, run_dir: str = "<run_dir>") -> dict:
@@ -199,9 +207,9 @@ def describe_plan(cfg: DictConfig, run_dir: str = "<run_dir>") -> dict:
     stages = []
     for s in STAGE_ORDER:
         st = cfg.stages[s]
-        dims = stage_dims(cfg, s)
-        entry = {"name": s, "enabled": bool(st.enabled), **dims.describe()}
-        if s == "mmlu":
+        dims = stage_dims(cfg, s) if st.enabled else _dims_if_valid(cfg, s)   # a disabled stage's may be unset
+        entry = {"name": s, "enabled": bool(st.enabled), **(dims.describe() if dims else {})}
+        if s == StageName.MMLU and dims:
             entry["shard_mode"] = st.shard_mode
             entry["shard_group"] = ("edp" if (st.shard_mode == "lockstep" and dims.ep > 1) else "dp")
         if not st.enabled and st.get("disabled_reason"):

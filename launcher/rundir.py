@@ -15,39 +15,29 @@ import hashlib
 import json
 import os
 import platform
-import re
 import secrets as _secrets
 import time
 from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from launcher.config.schema import STAGE_ORDER
-from launcher.stages.context import write_json_atomic
-
-SECRET_NAME = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|ACCESS_KEY|PRIVATE_KEY|CREDENTIAL)", re.IGNORECASE)
-MASK = "***"
+from launcher.contract import (
+    MASK, STAGE_ORDER, RunLayout, StageStatus, is_secret, write_json_atomic, write_text_atomic)
 
 # statuses in metadata.json
 PENDING, RUNNING, COMPLETED, FAILED, SKIPPED, DISABLED, CANCELLED = (
-    "pending", "running", "completed", "failed", "skipped", "disabled", "cancelled")
+    StageStatus.PENDING, StageStatus.RUNNING, StageStatus.COMPLETED, StageStatus.FAILED, StageStatus.SKIPPED,
+    StageStatus.DISABLED, StageStatus.CANCELLED)
 
 
 def new_run_id() -> str:
     return _dt.datetime.now().strftime("%Y%m%d-%H%M%S-") + _secrets.token_hex(2)
 
 
-def split_secrets(env: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
-    """(plain, secret) by variable name."""
-    plain = {k: v for k, v in env.items() if not SECRET_NAME.search(k)}
-    secret = {k: v for k, v in env.items() if SECRET_NAME.search(k)}
-    return plain, secret
-
-
 def masked_config(cfg: DictConfig) -> DictConfig:
     data = OmegaConf.to_container(cfg, resolve=True)
     for key in list(data.get("env", {})):
-        if SECRET_NAME.search(key):
+        if is_secret(key):
             data["env"][key] = MASK
     return OmegaConf.create(data)
 
@@ -94,6 +84,7 @@ def launcher_versions() -> dict[str, str]:
 class RunDirectory:
     def __init__(self, path: str):
         self.path = os.path.abspath(path)
+        self.layout = RunLayout(self.path)
 
     @classmethod
     def create(cls, cfg: DictConfig, run_id: Optional[str] = None) -> "RunDirectory":
@@ -119,28 +110,28 @@ class RunDirectory:
         return os.path.basename(self.path)
 
     def config_path(self) -> str:
-        return os.path.join(self.path, "config.yaml")
+        return self.layout.config_yaml
 
     def write_config(self, cfg: DictConfig) -> None:
-        tmp = self.config_path() + ".tmp"
-        with open(tmp, "w") as f:
-            f.write(OmegaConf.to_yaml(masked_config(cfg)))
-        os.replace(tmp, self.config_path())
+        write_text_atomic(self.config_path(), OmegaConf.to_yaml(masked_config(cfg)))
 
     def load_config(self) -> DictConfig:
         return OmegaConf.load(self.config_path())
 
     def stage_dir(self, stage: str) -> str:
-        return os.path.join(self.path, stage)
+        return self.layout.stage_dir(stage)
+
+    def is_run_directory(self) -> bool:
+        return os.path.isfile(self.layout.metadata_json)
 
     # -- metadata -------------------------------------------------------------------------
     def metadata(self) -> dict[str, Any]:
-        data = read_json(os.path.join(self.path, "metadata.json"))
+        data = read_json(self.layout.metadata_json)
         assert data is not None, f"no metadata.json in {self.path}"
         return data
 
     def write_metadata(self, data: dict[str, Any]) -> None:
-        write_json_atomic(os.path.join(self.path, "metadata.json"), data)
+        write_json_atomic(self.layout.metadata_json, data)
 
     def update_stage(self, stage: str, **fields: Any) -> None:
         data = self.metadata()
@@ -160,7 +151,7 @@ class RunDirectory:
 
     # -- manifests ------------------------------------------------------------------------
     def manifest(self, stage: str) -> Optional[dict]:
-        return read_json(os.path.join(self.stage_dir(stage), "manifest.json"))
+        return read_json(self.layout.manifest(stage))
 
     def stage_is_current(self, cfg: DictConfig, stage: str) -> bool:
         m = self.manifest(stage)
@@ -172,4 +163,4 @@ def write_manifest(run_dir: str, cfg: DictConfig, stage: str, extra: Optional[di
     data = {"stage": stage, "status": COMPLETED, "stage_config_hash": stage_config_hash(cfg, stage),
             "finished": _dt.datetime.now().isoformat(timespec="seconds")}
     data.update(extra or {})
-    write_json_atomic(os.path.join(run_dir, stage, "manifest.json"), data)
+    write_json_atomic(RunLayout(run_dir).manifest(stage), data)

@@ -22,6 +22,7 @@ from xml.etree import ElementTree as ET
 from launcher.config.compose import ConfigError, compose_example
 from launcher.config.hf_card import read_hf_config
 from launcher.config.validate import enabled_stages, stage_dims, validate
+from launcher.contract import RunLayout, StageName
 from launcher.rundir import read_json
 
 GPU_ONLY_ARCHITECTURES = {"NemotronHForCausalLM": "needs Mamba kernels (mamba_ssm, CUDA)"}
@@ -73,7 +74,7 @@ def run_suite(examples_dir: str, test_level: int = 0, junit: Optional[str] = Non
     paths = sorted(glob.glob(os.path.join(examples_dir, "**", "*.yaml"), recursive=True))
     if not paths:
         raise ValueError(f"no example YAML under {examples_dir}")
-    runs_root = os.path.abspath(runs_root or os.path.join("runs", "suite-" + time.strftime("%Y%m%d-%H%M%S")))
+    runs_root, overrides = suite_runs_root(list(overrides), runs_root)
     gpus = gpu_count()
     outcomes = []
     for path in paths:
@@ -93,6 +94,20 @@ def run_suite(examples_dir: str, test_level: int = 0, junit: Optional[str] = Non
             f.write(md)
     print(md)
     return 1 if any(o.status in ("failed", "invalid") for o in outcomes) else 0
+
+
+def suite_runs_root(overrides: list[str], runs_root: Optional[str]) -> tuple[str, list[str]]:
+    """The suite's runs root and the overrides left for every example.
+
+    A ``runs_root=X`` override is the runs root (the suite passes it to every example itself);
+    ``--runs-root`` (``runs_root``) says the same; both, disagreeing, is an error.  Default:
+    ./runs/suite-<time>."""
+    given = [o.split("=", 1)[1] for o in overrides if o.lstrip("+").startswith("runs_root=")]
+    rest = [o for o in overrides if not o.lstrip("+").startswith("runs_root=")]
+    if given and runs_root and os.path.abspath(given[-1]) != os.path.abspath(runs_root):
+        raise ValueError(f"runs_root={given[-1]} and --runs-root {runs_root} disagree: give one of them")
+    root = runs_root or (given[-1] if given else os.path.join("runs", "suite-" + time.strftime("%Y%m%d-%H%M%S")))
+    return os.path.abspath(root), rest
 
 
 def _one_example(path: str, test_level: int, gpus: int, overrides: list[str], runs_root: str) -> ExampleOutcome:
@@ -125,12 +140,12 @@ def _one_example(path: str, test_level: int, gpus: int, overrides: list[str], ru
     job_dir = os.path.join(runs_root, cfg.job_name)
     runs = sorted(os.listdir(job_dir)) if os.path.isdir(job_dir) else []
     out.run_dir = os.path.join(job_dir, runs[-1]) if runs else ""
-    meta = read_json(os.path.join(out.run_dir, "metadata.json")) if out.run_dir else None
-    results = read_json(os.path.join(out.run_dir, "mmlu", "results.json")) if out.run_dir else None
+    meta = read_json(RunLayout(out.run_dir).metadata_json) if out.run_dir else None
+    results = read_json(RunLayout(out.run_dir).mmlu_results) if out.run_dir else None
     for name, st in (meta or {}).get("stages", {}).items():
         entry = {"name": name, "status": st.get("status"), "duration_s": st.get("duration_s"), "reason": st.get("reason", "")}
-        if name == "mmlu" and results:
-            entry.update(accuracy=results.get("accuracy"), bound=results.get("lower_bound", results.get("bound")))
+        if name == StageName.MMLU and results:
+            entry.update(accuracy=results.get("accuracy"), bound=results.get("lower_bound"))
         out.stages.append(entry)
     if proc.returncode == 0:
         out.status = "passed"

@@ -2,7 +2,7 @@
 
 Reads RUN_DIR/config.yaml, initializes torch.distributed + Megatron-Core parallel_state at the
 stage's degrees, runs the preflight, then ``launcher.stages.<STAGE>.run(ctx)``.  Rank 0 writes
-the stage's manifest on success.  Exit codes: launcher.stages.context (1 failed, 3 gate failed,
+the stage's manifest on success.  Exit codes: launcher.contract.ExitCode (1 failed, 3 gate failed,
 4 desync, 5 preflight).
 """
 from __future__ import annotations
@@ -13,8 +13,10 @@ import sys
 import time
 import traceback
 
+from launcher.contract import ExitCode, RunLayout, StageFailed, StageName
+
 # Stages whose ranks need no torch.distributed / Megatron (vLLM runs out of process).
-STAGES_WITHOUT_MEGATRON = frozenset({"vllm_smoke"})
+STAGES_WITHOUT_MEGATRON = frozenset({StageName.VLLM_SMOKE})
 
 
 def choose_device(requested: str, local_world: int) -> str:
@@ -32,7 +34,7 @@ def choose_device(requested: str, local_world: int) -> str:
 def main(argv: list[str]) -> int:
     if len(argv) < 2:
         print(__doc__, file=sys.stderr)
-        return 2
+        return ExitCode.USAGE
     stage, run_dir = argv[0], os.path.abspath(argv[1])
     preflight_only = "--preflight-only" in argv[2:]
     # Environment first: set by the local agent, or derived from srun's.
@@ -52,14 +54,14 @@ def main(argv: list[str]) -> int:
     from omegaconf import OmegaConf
 
     from launcher.config.validate import stage_dims
-    from launcher.stages.context import EXIT_PREFLIGHT, StageContext
+    from launcher.stages.context import StageContext
 
-    cfg = OmegaConf.load(os.path.join(run_dir, "config.yaml"))
+    cfg = OmegaConf.load(RunLayout(run_dir).config_yaml)
     dims = stage_dims(cfg, stage)
     if world != dims.world_size:
         print(f"[{stage} r{rank}] started with WORLD_SIZE={world} but stages.{stage}.parallel needs "
               f"{dims.world_size} ranks", file=sys.stderr, flush=True)
-        return EXIT_PREFLIGHT
+        return ExitCode.PREFLIGHT
     local_world = env["local_world_size"]
     device = choose_device(cfg.executor.device, local_world)
     timeout_s = float(cfg.stages[stage].get("collective_timeout_s") or cfg.executor.collective_timeout_s)
@@ -82,7 +84,7 @@ def main(argv: list[str]) -> int:
         ctx.log(f"preflight ok: {dims.describe()} on {device}{where} ({time.time() - t0:.1f}s)")
     except (PreflightError, RuntimeError, ValueError) as e:
         print(f"[{stage} r{rank}] PREFLIGHT FAILED: {e}", file=sys.stderr, flush=True)
-        return EXIT_PREFLIGHT
+        return ExitCode.PREFLIGHT
     if preflight_only:
         mdist.shutdown()
         return 0
@@ -91,7 +93,6 @@ def main(argv: list[str]) -> int:
 
 def _run_stage(stage, ctx, cfg, run_dir, rank, world, device, t0, shutdown) -> int:
     from launcher.rundir import write_manifest
-    from launcher.stages.context import EXIT_FAILED, StageFailed
 
     try:
         module = importlib.import_module(f"launcher.stages.{stage}")
@@ -104,7 +105,7 @@ def _run_stage(stage, ctx, cfg, run_dir, rank, world, device, t0, shutdown) -> i
         what = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
         print(f"[{stage} r{rank}] STAGE FAILED with an exception: {what}\n{traceback.format_exc()}",
               file=sys.stderr, flush=True)
-        _flush_and_exit(EXIT_FAILED)
+        _flush_and_exit(ExitCode.FAILED)
     if rank == 0:
         write_manifest(run_dir, cfg, stage, {"duration_s": round(time.time() - t0, 2), "world_size": world,
                                              "device": device})

@@ -2,7 +2,7 @@
 # Install what tests/slurm_cluster.py needs to run real Slurm clusters (Debian/Ubuntu): slurmctld,
 # slurmd, the clients (sbatch, srun, scontrol, squeue, scancel, sinfo), munge, and iproute2's `ip`
 # (the two-node cluster puts each slurmd in its own network namespace; nsenter/unshare: util-linux).
-# Idempotent: does nothing when every binary is present.  ~10 s, 13 MB (../shared/notes/local-slurm.md).
+# Idempotent: does nothing when every binary is present.  ~10 s, 13 MB.
 # The test suite starts its own daemons under a private directory; the system services are not used.
 set -euo pipefail
 BINS=(munged slurmctld slurmd sbatch srun scontrol squeue scancel sinfo ip)

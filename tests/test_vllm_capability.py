@@ -200,3 +200,17 @@ def test_error_line_picks_the_last_error():
              "INFO shutting down"]
     assert error_line(lines) == "ValueError: Failed to find a kernel"
     assert error_line(["all good"]) is None
+
+
+def test_without_vllm_a_format_no_gpu_here_can_serve_names_the_format_first():
+    """`make demo` (no .venv-vllm): the skip says NVFP4 needs a Blackwell GPU before it says vLLM is
+    missing, and how to get the real smoke; an unquantized export keeps the import error alone."""
+    ok, reason = cap.decide(NVFP4, NO_VLLM)
+    assert not ok
+    assert reason.startswith("NVFP4 [hf_quant_config.json] needs a Blackwell GPU (compute capability >= 10.0); "
+                             "no CUDA GPU is visible, so no vLLM build can serve it here (and vLLM is not "
+                             "importable in /v/bin/python")
+    assert reason.endswith("run `make vllm-env`, then the example with recipe=none")
+    ok, reason = cap.decide(FP8, cap.Platform(python="/v/bin/python", vllm_importable=False,
+                                              gpu_capabilities=((9, 0),), gpu_names=("NVIDIA H200",)))
+    assert not ok and reason.startswith("vLLM is not importable")   # an H200 serves FP8: vLLM is what is missing

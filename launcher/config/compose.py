@@ -149,8 +149,17 @@ def _explain_hydra_error(e: Exception) -> str:
     return msg
 
 
+ENV_HOWTO = ("env holds variables for every rank: add one with `+env.NAME=value` (Hydra's `+` adds a key), "
+             "or in the example's YAML under env:. A secret (a name with TOKEN, SECRET, PASSWORD, API_KEY, "
+             "ACCESS_KEY, PRIVATE_KEY or CREDENTIAL) is masked in config.yaml and never written to an sbatch "
+             "script; to keep it off the command line too, export it in the shell that runs `launch` "
+             "(e.g. `export HF_TOKEN=...`): every rank inherits launch's environment")
+
+
 def _unknown_key_message(dotted: str) -> str:
     """'stages.mmlu.bogus' -> which key is unknown and the valid keys at that level."""
+    if dotted == "env" or dotted.startswith("env."):
+        return f"cannot set {dotted!r} this way: {ENV_HOWTO}"
     node = OmegaConf.structured(schema.PipelineConfig)
     parts = dotted.split(".")
     for i, part in enumerate(parts[:-1]):

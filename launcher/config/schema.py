@@ -11,6 +11,8 @@ from typing import Any, Optional, Union
 
 from omegaconf import MISSING
 
+from launcher.contract import STAGE_ORDER  # noqa: F401  (the stage names are the contract's)
+
 SHARD_MODES = ("auto", "balanced", "lockstep", "dense_dp")
 VLLM_MODES = ("server", "offline")
 VLLM_SCORING = ("prompt_logprobs", "choice_logprobs")
@@ -44,7 +46,7 @@ class RecipeConfig:
     """A quantization recipe: a named ModelOpt config, a ModelOpt recipe YAML, or none."""
 
     name: str = MISSING
-    format: str = MISSING              # nvfp4 | fp8 | int4_awq | w4a8 | none  (what export must contain)
+    format: str = MISSING              # nvfp4 | fp8 | none (launcher/formats.py): what export must contain
     modelopt_cfg: Optional[str] = None  # e.g. NVFP4_DEFAULT_CFG (attribute of modelopt.torch.quantization)
     recipe_path: Optional[str] = None   # a ModelOpt recipe YAML instead of a named config
     exclude_modules: list[str] = field(default_factory=list)  # extra wildcard patterns left unquantized
@@ -63,18 +65,25 @@ class ParallelConfig:
 
 
 @dataclass
-class LocalExecutorConfig:
-    kind: str = "local"
+class ExecutorConfig:
+    """What every executor takes; each kind (config group ``executor``) extends it."""
+
+    kind: str = MISSING                # local | slurm
     device: str = "auto"               # auto | cpu | cuda
-    master_port: Optional[int] = None  # default: a free port
     omp_num_threads: int = 1
     collective_timeout_s: int = 120    # process-group timeout for every stage
+    # master_port is each kind's own: a free port here (local), derived from the job id (slurm)
 
 
 @dataclass
-class SlurmExecutorConfig:
+class LocalExecutorConfig(ExecutorConfig):
+    kind: str = "local"
+    master_port: Optional[int] = None  # default: a free port
+
+
+@dataclass
+class SlurmExecutorConfig(ExecutorConfig):
     kind: str = "slurm"
-    device: str = "auto"
     partition: Optional[str] = None
     account: Optional[str] = None
     qos: Optional[str] = None
@@ -91,8 +100,6 @@ class SlurmExecutorConfig:
     sbatch_args: list[str] = field(default_factory=list)  # extra #SBATCH flags, e.g. ["--exclusive"]
     srun_args: list[str] = field(default_factory=list)    # extra srun flags, e.g. ["--mpi=pmix"]
     poll_interval_s: float = 2.0
-    omp_num_threads: int = 1
-    collective_timeout_s: int = 120
     master_port: int = 0               # 0: 20000 + job id % 20000 (jobs sharing a node never collide)
 
 
@@ -179,9 +186,6 @@ class Stages:
     vllm_smoke: VllmSmokeStage = field(default_factory=VllmSmokeStage)
 
 
-STAGE_ORDER = ("quantize", "mmlu", "export", "vllm_smoke")
-
-
 @dataclass
 class PipelineConfig:
     job_name: str = MISSING
@@ -192,6 +196,6 @@ class PipelineConfig:
     seed: int = 1234
     model: ModelCard = MISSING
     recipe: RecipeConfig = MISSING
-    executor: Any = MISSING            # LocalExecutorConfig | SlurmExecutorConfig (group `executor`)
+    executor: Any = MISSING            # an ExecutorConfig: LocalExecutorConfig | SlurmExecutorConfig (group `executor`)
     stages: Stages = field(default_factory=Stages)
     env: dict[str, str] = field(default_factory=dict)  # exported to every rank; secrets masked in config.yaml

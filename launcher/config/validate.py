@@ -12,6 +12,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from launcher import formats
 from launcher.config import schema
 from launcher.config.compose import ConfigError, recipe_names
 from launcher.config.hf_card import (
@@ -20,7 +21,6 @@ from launcher.config.hf_card import (
 from launcher.topology import ParallelDims, minimal_world_size
 
 SUPPORTED_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM", "NemotronHForCausalLM")
-RECIPE_FORMATS = ("nvfp4", "fp8", "int4_awq", "w4a8", "int8_sq", "none")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
@@ -69,6 +69,7 @@ def validate(cfg: DictConfig, check_paths: bool = True) -> list[str]:
     for stage in enabled_stages(cfg):
         if stage != "vllm_smoke":  # vLLM shards itself (tensor parallel only; KV heads replicate)
             _check_parallel(cfg, stage, err)
+        _check_rank_grid(cfg, stage, err)
     _check_quantize(cfg, err, warnings, check_paths)
     _check_mmlu(cfg, err, warnings, check_paths)
     _check_export(cfg, err)
@@ -128,8 +129,9 @@ def _check_model(cfg: DictConfig, err: _Errors, warnings: list[str], check_paths
 
 def _check_recipe(cfg: DictConfig, err: _Errors) -> None:
     r = cfg.recipe
-    if r.format not in RECIPE_FORMATS:
-        err.add("recipe.format", r.format, f"valid: {', '.join(RECIPE_FORMATS)}")
+    problem = formats.format_problem(r.format)
+    if problem:
+        err.add("recipe.format", r.format, problem)
     if r.format == "none":
         if r.modelopt_cfg or r.recipe_path:
             err.add("recipe.modelopt_cfg", r.modelopt_cfg, "must be null for format none")
@@ -155,6 +157,11 @@ def _check_executor(cfg: DictConfig, err: _Errors) -> None:
         err.add("executor.device", ex.device, f"valid: {', '.join(schema.DEVICES)}")
     if ex.kind == "slurm" and ex.nodes < 1:
         err.add("executor.nodes", ex.nodes, "must be >= 1")
+    if ex.kind == "slurm":
+        from launcher.executors.slurm_script import TIME_SYNTAX, valid_time
+
+        if not valid_time(str(ex.time or "")):
+            err.add("executor.time", ex.time, f"valid: {TIME_SYNTAX} (Slurm's --time syntax)")
 
 
 def _check_slurm_nodes(cfg: DictConfig, err: _Errors) -> None:
@@ -222,6 +229,18 @@ def _check_parallel(cfg: DictConfig, stage: str, err: _Errors) -> None:
         err.add(f"{key}.world_size", world, f"must be a multiple of etp*ep*pp = {p.etp}*{p.ep}*{p.pp} = {expert}")
 
 
+def _check_rank_grid(cfg: DictConfig, stage: str, err: _Errors) -> None:
+    """The stage's ranks can be laid out (what the plan and every rank build: ParallelDims)."""
+    key = f"stages.{stage}.parallel"
+    if any(line.startswith(key + ".") for line in err.lines):
+        return   # already reported, in the config's words
+    try:
+        stage_dims(cfg, stage)
+    except ValueError as e:
+        p = cfg.stages[stage].parallel
+        err.add(f"{key}.world_size", p.world_size, str(e))
+
+
 def _check_quantize(cfg: DictConfig, err: _Errors, warnings: list[str], check_paths: bool) -> None:
     q = cfg.stages.quantize
     if not q.enabled:
@@ -234,6 +253,22 @@ def _check_quantize(cfg: DictConfig, err: _Errors, warnings: list[str], check_pa
         err.add("stages.quantize.moe_dispatcher", q.moe_dispatcher, f"valid: {', '.join(schema.DISPATCHERS)}")
     if cfg.recipe.format != "none":
         _check_path(c.dataset, "stages.quantize.calib.dataset", err, warnings, check_paths, hub_ok=False)
+    _check_calibration_at_ep(cfg, err)
+
+
+def _check_calibration_at_ep(cfg: DictConfig, err: _Errors) -> None:
+    """The quantize stage's recipe_layout check, decided from the recipe's YAML (no torch)."""
+    from launcher.quant.recipes import EP_UNSAFE_ALGORITHMS, declared_algorithm
+
+    ep = cfg.stages.quantize.parallel.ep
+    if ep <= 1:
+        return
+    known, algorithm = declared_algorithm(cfg.recipe)
+    if known and algorithm in EP_UNSAFE_ALGORITHMS:
+        err.add("stages.quantize.parallel.ep", ep,
+                f"recipe {cfg.recipe.name!r} calibrates with {algorithm!r}, which desyncs expert-parallel ranks "
+                f"in ModelOpt's implementation (collectives depend on per-rank expert token counts); valid: "
+                f"stages.quantize.parallel.ep=1, or a recipe calibrated with another algorithm (e.g. max)")
 
 
 def _check_path(value: str, key: str, err: _Errors, warnings: list[str], check_paths: bool, hub_ok: bool) -> None:
@@ -269,6 +304,7 @@ def _check_mmlu(cfg: DictConfig, err: _Errors, warnings: list[str], check_paths:
     if m.baseline_accuracy is not None and m.baseline != "recorded":
         err.add(f"{key}.baseline_accuracy", m.baseline_accuracy,
                 f"only used with stages.mmlu.baseline=recorded (got baseline={m.baseline!r})")
+    _check_gate_rules(m, err)
     if m.baseline == "cached" and check_paths:
         from launcher.mmlu import baseline_cache  # pure Python: reads the cache's JSON entries
 
@@ -316,6 +352,20 @@ def _check_mmlu(cfg: DictConfig, err: _Errors, warnings: list[str], check_paths:
         warnings.append("stages.mmlu evaluates the unquantized checkpoint: stages.quantize is disabled")
 
 
+def _check_gate_rules(m: DictConfig, err: _Errors) -> None:
+    """The gate's own checker (what the mmlu stage runs first on every rank), unless the lines
+    above already named one of its keys: a rule of the gate can never pass here and fail there."""
+    from launcher.mmlu.gate import check_gate_config  # pure Python
+
+    keys = ("lower_bound", "max_drop", "baseline", "baseline_accuracy")
+    if any(line.startswith(tuple(f"stages.mmlu.{k}=" for k in keys)) for line in err.lines):
+        return
+    try:
+        check_gate_config(m.lower_bound, m.max_drop, m.baseline, m.baseline_accuracy)
+    except ValueError as e:   # its messages name the key and the valid values already
+        err.lines.append(str(e))
+
+
 def _check_export(cfg: DictConfig, err: _Errors) -> None:
     e = cfg.stages.export
     if not e.enabled:
@@ -325,6 +375,8 @@ def _check_export(cfg: DictConfig, err: _Errors) -> None:
         err.add("stages.export.parallel.tp", e.parallel.tp, f"must be 1: {why}; use pp to spread the model")
     if e.parallel.ep != 1:
         err.add("stages.export.parallel.ep", e.parallel.ep, f"must be 1: {why}; use pp to spread the model")
+    if e.parallel.etp != 1:
+        err.add("stages.export.parallel.etp", e.parallel.etp, f"must be 1: {why}; use pp to spread the model")
     if not re.match(r"^[\w.-]+$", e.name):
         err.add("stages.export.name", e.name, "must be a plain directory name")
     if not cfg.stages.quantize.enabled and cfg.recipe.format != "none":

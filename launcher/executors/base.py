@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from launcher.contract import JobState
+
 
 @dataclass
 class StagePlan:
@@ -14,8 +16,5 @@ class StagePlan:
     allow_to_fail: bool = False   # the pipeline continues after this stage fails
 
 
-# Final job states as Slurm names them; the local executor reports the same words.
-COMPLETED = "COMPLETED"
-FAILED = "FAILED"
-CANCELLED = "CANCELLED"
-TIMEOUT = "TIMEOUT"
+# Final job states as Slurm names them; the local executor reports the same words (launcher.contract).
+COMPLETED, FAILED, CANCELLED, TIMEOUT = JobState.COMPLETED, JobState.FAILED, JobState.CANCELLED, JobState.TIMEOUT

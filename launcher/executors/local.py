@@ -14,6 +14,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+from launcher.contract import ExitCode
 from launcher.executors.base import CANCELLED, COMPLETED, FAILED, StagePlan
 
 
@@ -67,7 +68,7 @@ class LocalExecutor:
             except KeyboardInterrupt:
                 self.cancel()
                 log.write("# cancelled (Ctrl-C)\n")
-                return StageResult(CANCELLED, 130, time.time() - start)
+                return StageResult(CANCELLED, ExitCode.CANCELLED, time.time() - start)
             finally:
                 self._proc = None
         return StageResult(COMPLETED if code == 0 else FAILED, code, time.time() - start)

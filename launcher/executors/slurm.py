@@ -1,7 +1,7 @@
 """Slurm executor: one sbatch job per stage, chained by job dependencies; state read from Slurm.
 
 Submission is plain ``sbatch --parsable`` and state is ``scontrol show job -o`` - no client
-library.  submitit (tried here, notes/local-slurm.md) pickles a Python callable and polls
+library.  submitit (tried with this project's local Slurm) pickles a Python callable and polls
 ``sacct``: our stages are already a command line (``python -m launcher.worker STAGE RUN_DIR``), we
 need the script itself rendered by a pure, golden-tested function, and without slurmdbd ``sacct``
 fails, so submitit waits forever on a job cancelled from outside.  ``scontrol`` answers for every
@@ -28,6 +28,7 @@ import sys
 import time
 from typing import Any, Callable, Iterable, Optional, Sequence
 
+from launcher.contract import RunLayout, write_json_atomic
 from launcher.executors.base import StagePlan
 from launcher.executors.slurm_script import dependency_spec, render_sbatch, split_secret_env, stage_env
 from launcher.executors.slurm_state import (
@@ -40,7 +41,6 @@ from launcher.executors.slurm_state import (
     parse_scontrol_jobs,
 )
 
-JOBS_FILE = "jobs.json"
 INSTALL_HINT = ("install the Slurm client tools (Debian/Ubuntu: `apt-get install slurm-client`, or "
                 "`module load slurm` on your cluster) or run with executor=local")
 # a job the controller has forgotten (older than MinJobAge) is reported UNKNOWN after this many polls
@@ -88,14 +88,6 @@ def _get(cfg: Any, key: str, default: Any = None) -> Any:
     if isinstance(cfg, dict):
         return cfg.get(key, default)
     return getattr(cfg, key, default)
-
-
-def _write_json_atomic(path: str, data: Any) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=2)
-        f.write("\n")
-    os.replace(tmp, path)
 
 
 def query_jobs(job_ids: Iterable[str]) -> dict[str, Optional[JobInfo]]:
@@ -148,8 +140,8 @@ class SlurmExecutor:
     def __init__(self, cfg: Any, run_dir: str, echo: Optional[Callable[[str], None]] = None):
         self.cfg = cfg
         self.run_dir = os.path.abspath(run_dir)
-        self.slurm_dir = os.path.join(self.run_dir, "slurm")
-        self.jobs_path = os.path.join(self.slurm_dir, JOBS_FILE)
+        self.slurm_dir = RunLayout(self.run_dir).slurm_dir
+        self.jobs_path = RunLayout(self.run_dir).slurm_jobs
         self.echo = echo if echo is not None else (lambda line: print(line, flush=True))
         self.poll_interval_s = float(_get(cfg, "poll_interval_s", 2.0) or 2.0)
         self._record: Optional[dict] = None
@@ -203,7 +195,7 @@ class SlurmExecutor:
                 "log_offset": log_offset, "dependency": dep, "allow_to_fail": bool(plan.allow_to_fail),
                 "world_size": plan.world_size, "submitted_at": time.time(), "final_state": None,
             }
-            _write_json_atomic(self.jobs_path, record)   # after each job: a crash still leaves a record
+            write_json_atomic(self.jobs_path, record)   # after each job: a crash still leaves a record
         self._record = record
         return ids
 
@@ -281,7 +273,7 @@ class SlurmExecutor:
                 st["final_state"] = info.state
                 st["final_info"] = info.as_dict()
         if os.path.isdir(self.slurm_dir):
-            _write_json_atomic(self.jobs_path, record)
+            write_json_atomic(self.jobs_path, record)
         return result
 
     def _tail(self, path: str, offset: int) -> int:
@@ -345,7 +337,7 @@ class SlurmExecutor:
     def status_details(run_dir: str) -> dict[str, dict]:
         """{stage: info} for `launch status RUN_DIR`: live from scontrol, else the state recorded
         when the run was followed to its end, else UNKNOWN (the controller forgot the job)."""
-        path = os.path.join(os.path.abspath(run_dir), "slurm", JOBS_FILE)
+        path = RunLayout(os.path.abspath(run_dir)).slurm_jobs
         if not os.path.exists(path):
             raise SlurmError(f"{path} not found: this run was not submitted to Slurm")
         with open(path) as f:

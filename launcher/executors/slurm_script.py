@@ -35,18 +35,20 @@ from typing import Any, Mapping, Optional, Sequence
 
 from launcher.executors.base import StagePlan
 from launcher.executors.slurm_env import DERIVED_PORT_BASE, DERIVED_PORT_SPAN
-from launcher.rundir import SECRET_NAME  # one rule for what is a secret: config.yaml masks the same names
+from launcher.contract import split_secrets  # one rule for what is a secret: config.yaml masks the same names
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _TIME = re.compile(r"^((\d+-)?\d+(:\d{1,2}){0,2}|UNLIMITED|INFINITE)$", re.IGNORECASE)
+TIME_SYNTAX = "minutes, MM:SS, HH:MM:SS or D-HH[:MM[:SS]]"
+
+
+def valid_time(value: str) -> bool:
+    """Slurm's --time syntax (empty: no limit line)."""
+    return not value or bool(_TIME.match(value))
 
 
 class ScriptError(ValueError):
     """A config value that cannot make a valid sbatch script; the message names the key."""
-
-
-def is_secret(name: str) -> bool:
-    return bool(SECRET_NAME.search(name))
 
 
 def stage_env(plan: StagePlan, cfg: Any) -> dict[str, str]:
@@ -61,10 +63,8 @@ def stage_env(plan: StagePlan, cfg: Any) -> dict[str, str]:
 
 
 def split_secret_env(env: Mapping[str, str]) -> tuple[dict[str, str], dict[str, str]]:
-    """(written into the script, passed through sbatch's environment only)."""
-    public = {k: v for k, v in env.items() if not is_secret(k)}
-    secret = {k: v for k, v in env.items() if is_secret(k)}
-    return public, secret
+    """(written into the script, passed through sbatch's environment only): the contract's rule."""
+    return split_secrets(env)
 
 
 def default_job_name(plan: StagePlan, run_dir: str) -> str:
@@ -115,8 +115,8 @@ def render_sbatch(plan: StagePlan, cfg: Any, run_dir: str, job_name: Optional[st
     ntpn = tasks_per_node(plan, cfg)
     nodes = plan.world_size // ntpn
     time_limit = str(_get(cfg, "time", "") or "")
-    if time_limit and not _TIME.match(time_limit):
-        raise ScriptError(f"executor.time={time_limit!r}: use minutes, MM:SS, HH:MM:SS or D-HH[:MM[:SS]]")
+    if not valid_time(time_limit):
+        raise ScriptError(f"executor.time={time_limit!r}: use {TIME_SYNTAX}")
     if not plan.argv:
         raise ScriptError(f"stage {plan.name}: empty argv")
     if not plan.log_path:
@@ -144,7 +144,7 @@ def render_sbatch(plan: StagePlan, cfg: Any, run_dir: str, job_name: Optional[st
     # the job back in the queue to rerun unseen when the node returns (Slurm requeues batch jobs
     # by default); a site that wants that passes --requeue in sbatch_args, which comes later and wins
     sb.append("--no-requeue")
-    # site-specific flags (--constraint=..., --reservation=..., --exclusive); proposed schema key
+    # site-specific flags (--constraint=..., --reservation=..., --exclusive): executor.sbatch_args
     sb += [str(a) for a in (_get(cfg, "sbatch_args", []) or [])]
     sb += [
         f"--output={plan.log_path}",
@@ -180,7 +180,7 @@ def render_sbatch(plan: StagePlan, cfg: Any, run_dir: str, job_name: Optional[st
     ]
 
     srun = ["srun", f"--ntasks={plan.world_size}", f"--ntasks-per-node={ntpn}", "--kill-on-bad-exit=1"]
-    srun += [str(a) for a in (_get(cfg, "srun_args", []) or [])]   # proposed schema key, e.g. --mpi=pmix
+    srun += [str(a) for a in (_get(cfg, "srun_args", []) or [])]   # executor.srun_args, e.g. --mpi=pmix
     image = _get(cfg, "container_image")
     if image:
         srun.append(f"--container-image={q(str(image))}")

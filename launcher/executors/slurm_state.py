@@ -3,13 +3,16 @@
 ``scontrol show job -o ID`` prints one line of ``Key=Value`` pairs; values may contain spaces
 (``Command=``, ``WorkDir=``, ``Comment=``), so a token only starts a new pair when it looks like
 ``Key=``.  ``scontrol`` keeps ended jobs for ``MinJobAge`` seconds (300 by default) - longer than
-our poll interval, and unlike ``sacct`` it needs no accounting daemon (notes/local-slurm.md).
+our poll interval, and unlike ``sacct`` it needs no accounting daemon
+(tests/slurm_cluster.py runs none).
 """
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
 from typing import Optional
+
+from launcher.contract import JobState
 
 # Slurm job states (squeue(1) "JOB STATE CODES").  A job in a final state will not run again.
 FINAL_STATES = frozenset({
@@ -20,12 +23,12 @@ ACTIVE_STATES = frozenset({
     "PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "REQUEUE_HOLD",
     "REQUEUE_FED", "RESIZING", "SIGNALING", "STAGE_OUT", "STOPPED", "RESV_DEL_HOLD",
 })
-SUCCESS_STATE = "COMPLETED"
+SUCCESS_STATE = JobState.COMPLETED
 # A pending job that can never start because a dependency ended the wrong way.  Without
 # DependencyParameters=kill_invalid_depend it would wait in the queue forever: the executor
 # cancels it and reports CANCELLED with this reason.
 NEVER_SATISFIED = "DependencyNeverSatisfied"
-UNKNOWN = "UNKNOWN"     # the controller no longer knows the job (older than MinJobAge, or purged)
+UNKNOWN = JobState.UNKNOWN   # the controller no longer knows the job (older than MinJobAge, or purged)
 
 _KEY = re.compile(r"^[A-Za-z][A-Za-z0-9_/:]*=")
 

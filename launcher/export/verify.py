@@ -23,10 +23,11 @@ import sys
 import time
 from typing import Optional
 
+from launcher import formats
 from launcher.export import verify_layout as layout
 from launcher.export.safetensors_dir import checkpoint_tensor_names
 
-QUANT_ALGO_FORMATS = {"NVFP4": "nvfp4", "W4A16_NVFP4": "nvfp4", "FP8": "fp8"}
+QUANT_ALGO_FORMATS = formats.quant_algo_formats()   # {"NVFP4": "nvfp4", "W4A16_NVFP4": "nvfp4", "FP8": "fp8"}
 
 
 def _guarded(findings, what: str, fn, *args, **kwargs):

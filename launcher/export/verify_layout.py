@@ -13,17 +13,19 @@ import re
 from dataclasses import dataclass, field
 from typing import Optional
 
+from launcher import formats
 from launcher.export.safetensors_dir import (
     DTYPE_BYTES, INDEX_NAME, SINGLE_NAME, TensorInfo, read_all_headers, read_index, safetensors_files)
 
-# recipe format -> what hf_quant_config.json's "quantization" must say (None: not quantized)
+# recipe format -> what hf_quant_config.json's "quantization" must say (None: not quantized),
+# from the one format table (launcher/formats.py): every format the pipeline carries.
 # (quant_algo values accepted; "W4A16_NVFP4" is NVFP4 weight-only: no input_scale; group sizes
 # accepted per quant_algo: NVFP4 blocks are 16, ModelOpt's weight-only NVFP4 recipes write 16 or
 # 32 - general/ptq/nvfp4_mlp_weight_only uses 32; every weight_scale is then checked against it)
 FORMATS = {
-    "nvfp4": {"quant_algo": ("NVFP4", "W4A16_NVFP4"), "group_size": {"NVFP4": (16,), "W4A16_NVFP4": (16, 32)}},
-    "fp8": {"quant_algo": ("FP8",)},
-    "none": None,
+    name: None if not f.quant_algos else
+    {"quant_algo": f.quant_algos, **({"group_size": dict(f.group_sizes)} if f.group_sizes else {})}
+    for name, f in ((n, formats.FORMATS[n]) for n in formats.CARRIED)
 }
 WEIGHT_ONLY_ALGOS = ("W4A16_NVFP4",)
 SCALE_LEAVES = ("weight_scale", "weight_scale_2", "input_scale")

@@ -89,7 +89,7 @@ def load_checkpoint(model, path: str) -> dict:
     """Restore ModelOpt state, then weights, into ``model`` built at any parallel degrees.
 
     Only ``_extra_state`` entries may be missing or unexpected (ModelOpt quantizers carry
-    ``_extra_state`` that dist checkpoints do not hold, anchor.md item 11); any other mismatch is
+    ``_extra_state`` that dist checkpoints do not hold); any other mismatch is
     an error.  Returns the checkpoint's marker (the layout it was saved at).
     """
     import modelopt.torch.opt as mto

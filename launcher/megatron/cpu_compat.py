@@ -7,7 +7,7 @@ uses ``device == "cpu"``: it refuses (AssertionError) when CUDA is available, be
 ``torch.cuda.*`` on a GPU process would silently break the real CUDA paths.
 
 Each shim, and what breaks without it (megatron-core 0.19.2, modelopt 0.47.0; established by the
-CPU probes, ../shared/notes/cpu-megatron.md):
+CPU probes; each shim's test in tests/ shows the failure):
 
 ``current_device``
     ``torch.cuda.current_device()`` returns ``"cpu"``; ``torch.cuda.synchronize`` is a no-op.

@@ -1,9 +1,9 @@
 """HF checkpoint <-> Megatron-Core weights through ModelOpt's unified import/export.
 
 Export is correct only at TP=1 and EP=1 (ModelOpt 0.47 writes empty tensors at TP>1 and lets
-EP ranks overwrite each other's experts at EP>1; notes/anchor.md item 7): ``export_hf`` refuses
+EP ranks overwrite each other's experts at EP>1): ``export_hf`` refuses
 other layouts.  After ModelOpt writes the checkpoint, the per-shard sidecar
-``model-XXXXX-of-YYYYY.json`` files it leaves are deleted (anchor.md item 8) and the tokenizer
+``model-XXXXX-of-YYYYY.json`` files it leaves are deleted (not part of an HF checkpoint) and the tokenizer
 files of the source checkpoint are copied in, so the export directory is a servable checkpoint.
 """
 from __future__ import annotations

@@ -15,8 +15,8 @@ Pure Python (no torch import):
     sharding.resolve_mode(mode, ep, allow_unsafe)
     gate.wilson_interval(correct, n); gate.decide(...) -> GateDecision; gate.check_gate_config(...)
 Torch side:
-    guard.StepGuard / guard.make_groups / guard.DesyncError (exit code EXIT_DESYNC)
+    guard.StepGuard / guard.make_groups / guard.DesyncError (exit code ExitCode.DESYNC)
     evaluate.run_plan / evaluate.evaluate_model / evaluate.gather_to_rank0
     evaluate.prepare_model_for_eval (fold weight quantizers, grouped experts) / release_model_after_eval
-The stage itself is ``launcher.stages.mmlu`` (``prepare``, ``build_results``, ``run``).
+The stage itself is ``launcher.stages.mmlu`` (``build_results``, ``run``); ``prepared.prepare`` readies the questions.
 """

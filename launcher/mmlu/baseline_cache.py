@@ -95,7 +95,7 @@ def checkpoint_digest(model_path: str, memo_dir: Optional[str] = None) -> str:
             changed = True
         h.update(f"{name}\0{entry['sha256']}\n".encode())
     if memo_path and changed:
-        from launcher.stages.context import write_json_atomic
+        from launcher.contract import write_json_atomic
 
         os.makedirs(memo_dir, exist_ok=True)
         write_json_atomic(memo_path, memo)
@@ -191,7 +191,7 @@ def store(found: Lookup, results: dict, model_path: str, accuracy: float, layout
     """Write ``results`` (prompt index -> (prediction, logits)) as the entry of ``found.key``."""
     import time
 
-    from launcher.stages.context import write_json_atomic
+    from launcher.contract import write_json_atomic
 
     n = found.fields["n_questions"]
     if sorted(results) != list(range(n)):

@@ -105,7 +105,7 @@ def evaluate_model(model, prepared, dims, rank: int, mode: str = "auto",
                    dispatcher: str = "alltoall", timeout_s: float = 45.0,
                    allow_unsafe: bool = False, stage: str = "mmlu", label: str = "",
                    log: Optional[Callable[[str], None]] = None, groups_cache: Optional[dict] = None):
-    """Plan, guard, run and gather one evaluation of ``prepared`` (``launcher.stages.mmlu.Prepared``).
+    """Plan, guard, run and gather one evaluation of ``prepared`` (``launcher.mmlu.prepared.Prepared``).
 
     Returns (results on rank 0 else None, plan, this rank's EvalRun).  ``groups_cache`` (a dict)
     reuses guard groups across calls with the same components (group creation is collective).

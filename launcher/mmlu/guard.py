@@ -23,12 +23,12 @@ import datetime
 import time
 from typing import Optional
 
-from launcher.stages.context import EXIT_DESYNC, StageFailed
+from launcher.contract import ExitCode, StageFailed
 
 
 class DesyncError(StageFailed):
     def __init__(self, message: str):
-        super().__init__(message, exit_code=EXIT_DESYNC)
+        super().__init__(message, exit_code=ExitCode.DESYNC)
 
 
 FIELDS = ("step", "n_steps", "padded_len", "rows", "done", "shape_key", "plan")

@@ -12,7 +12,7 @@ import copy
 import os
 from typing import Any
 
-FORMATS = ("nvfp4", "fp8", "int4_awq", "w4a8", "mxfp4", "int8", "none")
+from launcher.formats import CARRIED as FORMATS, format_problem   # the one format table
 
 
 def _get(recipe, key: str, default=None):
@@ -26,8 +26,9 @@ def validate_recipe(recipe) -> None:
     name = _get(recipe, "name")
     fmt = _get(recipe, "format")
     cfg_name, path = _get(recipe, "modelopt_cfg"), _get(recipe, "recipe_path")
-    if fmt not in FORMATS:
-        raise ValueError(f"recipe {name!r}: format={fmt!r} is not valid; valid values: {list(FORMATS)}")
+    problem = format_problem(fmt)
+    if problem:
+        raise ValueError(f"recipe {name!r}: format={fmt!r} is {problem}")
     if fmt == "none":
         if cfg_name or path:
             raise ValueError(f"recipe {name!r}: format 'none' must have modelopt_cfg and recipe_path null "
@@ -132,3 +133,44 @@ def calibration_algorithm(cfg: dict[str, Any] | None) -> str | None:
     if isinstance(algo, dict):
         return algo.get("method", str(algo))
     return str(algo) if algo is not None else None
+
+
+def declared_algorithm(recipe) -> tuple[bool, str | None]:
+    """The recipe's calibration algorithm read from YAML alone (no torch): (known, algorithm).
+
+    A named ModelOpt config (``NVFP4_AWQ_LITE_CFG``) is read from the preset ModelOpt ships for it
+    (modelopt_recipes/configs/ptq/presets/model/nvfp4_awq_lite.yaml); a recipe YAML from its
+    ``quantize`` section, following one ``$import``.  ``known`` is False when neither can be read:
+    the quantize stage then decides with the resolved config (check_recipe_layout)."""
+    if _get(recipe, "format") == "none":
+        return True, None
+    cfg_name, path = _get(recipe, "modelopt_cfg"), _get(recipe, "recipe_path")
+    if cfg_name:
+        section = _recipes_yaml(f"configs/ptq/presets/model/{str(cfg_name).lower().removesuffix('_cfg')}")
+    else:
+        doc = _yaml_file(path) if path and os.path.isfile(path) else _recipes_yaml(path or "")
+        section = doc.get("quantize") if isinstance(doc, dict) else None
+        if isinstance(section, dict) and "$import" in section:
+            section = _recipes_yaml(str((doc.get("imports") or {}).get(section["$import"], "")))
+    if not isinstance(section, dict):
+        return False, None
+    return True, calibration_algorithm({"algorithm": section.get("algorithm", "max")})
+
+
+def _recipes_yaml(name: str):
+    """A YAML of ModelOpt's modelopt_recipes package (found, not imported), or None."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("modelopt_recipes")
+    for root in list(spec.submodule_search_locations or []) if spec is not None else []:
+        for suffix in ("", ".yaml", ".yml"):
+            if name and os.path.isfile(os.path.join(root, name + suffix)):
+                return _yaml_file(os.path.join(root, name + suffix))
+    return None
+
+
+def _yaml_file(path: str):
+    import yaml
+
+    with open(path) as f:
+        return yaml.safe_load(f)

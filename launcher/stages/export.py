@@ -17,7 +17,8 @@ import os
 import shutil
 import time
 
-from launcher.stages.context import StageContext, StageFailed, write_json_atomic
+from launcher.contract import StageFailed, write_json_atomic
+from launcher.stages.context import StageContext
 
 TMP_SUFFIX = ".tmp-export"
 REJECTED_SUFFIX = ".rejected"
@@ -95,7 +96,7 @@ def _load_weights(ctx: StageContext, model) -> str:
 
     cfg = ctx.cfg
     if cfg.stages.quantize.enabled:
-        path = ctx.path("quantize", "checkpoint")
+        path = ctx.layout.quantize_checkpoint
         if not os.path.isdir(path):
             raise StageFailed(f"{path} does not exist: run stages.quantize first (or disable it to export "
                               f"the HF weights with recipe none)")
@@ -147,7 +148,7 @@ def run(ctx: StageContext) -> None:
 
     cfg, stage = ctx.cfg, ctx.stage_cfg
     fmt = str(cfg.recipe.format)
-    final = ctx.path("export", stage.name)
+    final = ctx.layout.export_dir(stage.name)
     tmp = final + TMP_SUFFIX
     if ctx.dims.tp != 1 or ctx.dims.ep != 1 or ctx.dims.etp != 1:
         raise StageFailed(f"export needs tp=1 ep=1 etp=1, got {ctx.dims.describe()} (config validation refuses this)")
@@ -176,7 +177,7 @@ def run(ctx: StageContext) -> None:
     if not stage.verify:
         ctx.warn("stages.export.verify=false: publishing an UNVERIFIED export")
         _, err = _on_rank0(ctx, lambda: (_publish(tmp, final, True, stage.overwrite), write_json_atomic(
-            ctx.path("export", "verify.json"), {"ok": None, "skipped": "stages.export.verify=false",
+            ctx.layout.export_verify, {"ok": None, "skipped": "stages.export.verify=false",
                                                 "export_dir": final, "timings": timings})))
         if err:
             raise StageFailed(err)
@@ -200,7 +201,7 @@ def run(ctx: StageContext) -> None:
         report.update(loaded_from=loaded_from, layout=ctx.dims.describe(), recipe=cfg.recipe.name,
                       timings=timings)
         report["export_dir"] = _publish(tmp, final, bool(report["ok"]), bool(stage.overwrite))
-        write_json_atomic(ctx.path("export", "verify.json"), report)
+        write_json_atomic(ctx.layout.export_verify, report)
         return {"ok": report["ok"], "errors": report["errors"], "export_dir": report["export_dir"],
                 "size": report.get("size")}
 
@@ -219,7 +220,7 @@ def run(ctx: StageContext) -> None:
         raise StageFailed(f"export verification failed, {len(errors)} problem(s): "
                           + "; ".join(errors[:MAX_ERRORS_IN_MESSAGE]) + more
                           + f". Rejected export kept at {summary['export_dir']}; details in "
-                          + ctx.path("export", "verify.json"))
+                          + ctx.layout.export_verify)
     size = summary.get("size") or {}
     ctx.log(f"verified {summary['export_dir']}: {size.get('export_bytes')} bytes = "
             f"{size.get('ratio_vs_bf16')} x bf16")

@@ -9,67 +9,21 @@ unquantized HF weights on the same questions in the same model (the checkpoint i
 unless launcher/mmlu/baseline_cache.py holds them for this checkpoint and these prompts;
 ``baseline=cached`` takes them from there only.  The drop is then paired (launcher/mmlu/paired.py).
 Rank 0 gathers, decides the gate, writes ``mmlu/results.json`` atomically and broadcasts the
-decision; on "fail" every rank raises ``StageFailed(exit_code=EXIT_GATE_FAILED)``.
+decision; on "fail" every rank raises ``StageFailed(exit_code=ExitCode.GATE_FAILED)``.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Optional
 
+from launcher.contract import ExitCode, StageFailed, write_json_atomic
 from launcher.mmlu import gate as gate_mod
-from launcher.mmlu.batching import Batch, BatchLimits, make_batches_for, padding_efficiency, resolve_limits
+from launcher.mmlu.batching import BatchLimits, padding_efficiency, resolve_limits
 from launcher.mmlu.data import LETTERS
 from launcher.mmlu.paired import compare
-from launcher.mmlu.prompts import Prompt, bos_id, choice_token_ids, finish_ids
-from launcher.mmlu.token_cache import prompts_and_ids
-from launcher.stages.context import EXIT_GATE_FAILED, StageContext, StageFailed, write_json_atomic
-
-
-@dataclass
-class Prepared:
-    prompts: list[Prompt]
-    token_ids: list[list[int]]
-    batches: list[Batch]
-    choice_ids: list[int]
-    pad_id: int
-    truncated: int
-    limits: Optional[BatchLimits] = None
-    token_cache: Optional[dict] = None
-
-
-def load_tokenizer(path: str, trust_remote_code: bool = False):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-
-
-def pad_token_id(tokenizer) -> int:
-    for attr in ("pad_token_id", "eos_token_id"):
-        v = getattr(tokenizer, attr, None)
-        if v is not None:
-            return int(v)
-    return 0
-
-
-def prepare(scfg, tokenizer, limits: Optional[BatchLimits] = None,
-            cache_root: Optional[str] = None) -> Prepared:
-    """Questions -> prompts -> token ids -> batches (pure Python given a tokenizer).
-
-    ``limits``: the resolved batch limits (``batch_limits``); default: ``batch_size`` /
-    ``max_batch_tokens`` resolved for CPU.  ``cache_root``: where the prompts and token ids are
-    cached (``launcher.mmlu.token_cache``); None: no cache.
-    """
-    prompts, raw_ids, cache_info = prompts_and_ids(scfg.dataset, scfg.dev_dataset, scfg.fraction,
-                                                   scfg.few_shots, tokenizer, cache_root)
-    if not prompts:
-        raise StageFailed(f"stages.mmlu.dataset={scfg.dataset!r} holds no test questions")
-    token_ids, truncated = finish_ids(raw_ids, bos_id(tokenizer, scfg.add_bos), scfg.max_seq_len)
-    if limits is None:
-        limits = resolve_limits(scfg.batch_size, scfg.max_batch_tokens, "cpu")
-    batches = make_batches_for([len(t) for t in token_ids], limits)
-    return Prepared(prompts, token_ids, batches, choice_token_ids(tokenizer), pad_token_id(tokenizer),
-                    truncated, limits, cache_info)
+# the questions' preparation is library code (launcher/mmlu/prepared.py); its names stay importable here
+from launcher.mmlu.prepared import Prepared, load_tokenizer, pad_token_id, prepare  # noqa: F401
+from launcher.stages.context import StageContext
 
 
 def batch_limits(scfg, device: str, hf_path: str) -> BatchLimits:
@@ -259,7 +213,7 @@ def run(ctx: StageContext) -> None:
         timings["baseline_eval_s"] = time.time() - t
     if quantized:
         t = time.time()
-        load_checkpoint(model, ctx.path("quantize", "checkpoint"))
+        load_checkpoint(model, ctx.layout.quantize_checkpoint)
         timings["load_checkpoint_s"] = time.time() - t
     timings["fold_and_group_s"] = prepare_model_for_eval(model, ctx.log)["seconds"]
     t = time.time()
@@ -279,7 +233,7 @@ def run(ctx: StageContext) -> None:
         doc = build_results(prepared, results, scfg, decision, plan, baseline, timings)
         if cached is not None:
             doc["baseline"].update(source=cached["source"], cache=cached["path"], cache_key=cached["key"])
-        write_json_atomic(f"{ctx.stage_dir}/results.json", doc)
+        write_json_atomic(ctx.layout.mmlu_results, doc)
         ctx.log("per-subject accuracy:\n" + gate_mod.format_table(doc["per_subject"]))
         lo, hi = decision.interval
         ctx.log(f"accuracy {decision.accuracy:.4f} ({decision.correct}/{decision.n}), 95% interval "
@@ -292,4 +246,4 @@ def run(ctx: StageContext) -> None:
     verdict = broadcast_from_rank0(verdict)
     if not verdict["pass"]:
         raise StageFailed("MMLU gate failed: " + "; ".join(verdict["failures"]),
-                          exit_code=EXIT_GATE_FAILED)
+                          exit_code=ExitCode.GATE_FAILED)

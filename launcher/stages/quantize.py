@@ -11,7 +11,8 @@ from __future__ import annotations
 import time
 from importlib import metadata
 
-from launcher.stages.context import StageContext, StageFailed, write_json_atomic
+from launcher.contract import StageFailed, write_json_atomic
+from launcher.stages.context import StageContext
 
 PACKAGES = ("torch", "megatron-core", "nvidia-modelopt", "transformers", "safetensors", "datasets",
             "transformer-engine", "mamba-ssm")
@@ -123,7 +124,7 @@ def run(ctx: StageContext) -> None:
         "versions": package_versions(),
     }
     if ctx.rank == 0:
-        write_json_atomic(ctx.path("quantize", "summary.json"), report)
+        write_json_atomic(ctx.layout.quantize_summary, report)
     ctx.log(f"quantizers enabled {summary['quantizers_enabled']}/{summary['quantizers_total']} "
             f"{summary['enabled_by_format']}; expert linears weight-quantized "
             f"{summary['expert_linears_weight_quantized']}/{summary['expert_linears']}")
@@ -133,6 +134,6 @@ def run(ctx: StageContext) -> None:
         raise StageFailed("quantize checks failed: " + "; ".join(problems))
 
     t = time.time()
-    save_checkpoint(model, ctx.path("quantize", "checkpoint"), overwrite=True)
+    save_checkpoint(model, ctx.layout.quantize_checkpoint, overwrite=True)
     timings["save_checkpoint_s"] = round(time.time() - t, 2)
-    ctx.log(f"saved checkpoint {ctx.path('quantize', 'checkpoint')} in {timings['save_checkpoint_s']} s")
+    ctx.log(f"saved checkpoint {ctx.layout.quantize_checkpoint} in {timings['save_checkpoint_s']} s")

@@ -33,7 +33,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Iterator, Optional
 
-from launcher.stages.context import StageContext, StageFailed, write_json_atomic
+from launcher.contract import StageFailed, write_json_atomic
+from launcher.stages.context import StageContext
 from launcher.vllm import agreement, capability, generation
 from launcher.vllm.backends import BACKENDS, Backend, Replies, Work
 from launcher.vllm.gate_questions import GateMismatch, GateSet, load_gate_set
@@ -96,7 +97,7 @@ class SmokeRecord:
 
 def _model_dir(ctx: StageContext) -> str:
     explicit = ctx.stage_cfg.model_dir
-    return explicit or ctx.path("export", str(ctx.cfg.stages.export.name))
+    return explicit or ctx.layout.export_dir(str(ctx.cfg.stages.export.name))
 
 
 @contextlib.contextmanager
@@ -152,14 +153,14 @@ def _refused(ctx: StageContext, cap: dict, model_dir: str) -> bool:
     if ctx.stage_cfg.on_unsupported == "fail":
         raise StageFailed(f"vLLM cannot serve this export here: {cap['reason']} "
                           f"(stages.vllm_smoke.on_unsupported=fail; force=true tries anyway)")
-    write_json_atomic(os.path.join(ctx.stage_dir, "skip.json"),
+    write_json_atomic(ctx.layout.skip(ctx.name),
                       {"reason": cap["reason"], "capability": cap, "model_dir": model_dir})
     ctx.warn(f"SKIPPED: {cap['reason']} (stages.vllm_smoke.on_unsupported=skip; force=true tries anyway)")
     return True
 
 
 def _inputs(ctx: StageContext, model_dir: str) -> tuple[Optional[GateSet], Optional[Checks]]:
-    from launcher.stages.mmlu import load_tokenizer
+    from launcher.mmlu.prepared import load_tokenizer
 
     sc, cfg = ctx.stage_cfg, ctx.cfg
     trust = bool(cfg.model.get("trust_remote_code", False))
@@ -167,7 +168,7 @@ def _inputs(ctx: StageContext, model_dir: str) -> tuple[Optional[GateSet], Optio
     try:
         if sc.score_choices:
             # the gate's tokenizer, as the gate loaded it: the token ids are the gate's own
-            gate = load_gate_set(ctx.path("mmlu", "results.json"), cfg.stages.mmlu,
+            gate = load_gate_set(ctx.layout.mmlu_results, cfg.stages.mmlu,
                                  load_tokenizer(cfg.model.path, trust), int(sc.questions))
         if sc.prompts:
             items = generation.read_checks(str(sc.prompts))
@@ -200,7 +201,7 @@ def _criteria(ctx: StageContext, gate: Optional[GateSet], quant: capability.Quan
 def _backend(ctx: StageContext, model_dir: str, python: str, device: str) -> Backend:
     sc = ctx.stage_cfg
     return BACKENDS[sc.mode](python=python, model_dir=model_dir,
-                             log_path=os.path.join(ctx.stage_dir, "log.txt"), work_dir=ctx.stage_dir,
+                             log_path=ctx.layout.log(ctx.name), work_dir=ctx.stage_dir,
                              tp=int(sc.parallel.tp), extra_args=[str(a) for a in sc.extra_args],
                              device=device, startup_timeout_s=float(sc.startup_timeout_s),
                              request_timeout_s=float(sc.request_timeout_s), log=ctx.log)
@@ -208,7 +209,7 @@ def _backend(ctx: StageContext, model_dir: str, python: str, device: str) -> Bac
 
 def _write(ctx: StageContext, record: SmokeRecord, t_start: float) -> None:
     record.timings["total_s"] = round(time.monotonic() - t_start, 2)
-    write_json_atomic(os.path.join(ctx.stage_dir, "responses.json"), asdict(record))
+    write_json_atomic(ctx.layout.vllm_responses, asdict(record))
 
 
 def _report(ctx: StageContext, record: SmokeRecord) -> None:
@@ -238,9 +239,9 @@ def run(ctx: StageContext) -> None:
     t_start = time.monotonic()
     sc = ctx.stage_cfg
     os.makedirs(ctx.stage_dir, exist_ok=True)
-    for stale in ("responses.json", "skip.json"):
+    for stale in (ctx.layout.vllm_responses, ctx.layout.skip(ctx.name)):
         with contextlib.suppress(FileNotFoundError):
-            os.remove(os.path.join(ctx.stage_dir, stale))
+            os.remove(stale)
     model_dir = _model_dir(ctx)
     cap, quant, device = _capability(ctx, model_dir)
     if _refused(ctx, cap, model_dir):
@@ -270,4 +271,4 @@ def run(ctx: StageContext) -> None:
     _report(ctx, record)
     if not record.passed:
         raise StageFailed(f"vllm_smoke failed: {record.failure} "
-                          f"(see {os.path.join(ctx.stage_dir, 'responses.json')})")
+                          f"(see {ctx.layout.vllm_responses})")

@@ -25,9 +25,11 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-# (minimum compute capability, what needs it) per quantization family
-NVFP4_MIN_CC = (10, 0)
-FP8_MIN_CC = (8, 9)
+from launcher.formats import FORMATS
+
+# (minimum compute capability, what needs it) per quantization family (launcher/formats.py)
+NVFP4_MIN_CC = FORMATS["nvfp4"].vllm_min_cc
+FP8_MIN_CC = FORMATS["fp8"].vllm_min_cc
 OTHER_QUANT_MIN_CC = (0, 0)   # "a CUDA GPU"; vLLM decides the rest
 
 
@@ -164,8 +166,7 @@ def _family(algo: str) -> str:
 
 
 _FAMILY_NEEDS = {
-    "nvfp4": (NVFP4_MIN_CC, "a Blackwell GPU (compute capability >= 10.0)"),
-    "fp8": (FP8_MIN_CC, "a GPU with compute capability >= 8.9 (Ada/Hopper or newer)"),
+    **{name: (FORMATS[name].vllm_min_cc, FORMATS[name].vllm_needs) for name in ("nvfp4", "fp8")},
     "other": (OTHER_QUANT_MIN_CC, "a CUDA GPU"),
 }
 
@@ -196,8 +197,16 @@ def decide(quant: QuantInfo, platform: Platform, model: Optional[ModelInfo] = No
     """Whether vLLM in ``platform`` can serve an export quantized as ``quant``, and why."""
     if not platform.vllm_importable:
         why = f": {platform.vllm_error}" if platform.vllm_error else ""
-        return False, (f"vLLM is not importable in {platform.python}{why} "
-                       f"(create it with `make vllm-env`, or set stages.vllm_smoke.python)")
+        missing = (f"vLLM is not importable in {platform.python}{why} "
+                   f"(create it with `make vllm-env`, or set stages.vllm_smoke.python)")
+        need, best = requirement(quant), platform.best_capability
+        if need is not None and (best is None or best < need[0]):
+            # the format is the first reason: installing vLLM would not let this machine serve it
+            gpu = "no CUDA GPU is visible" if best is None else f"the best GPU here has compute capability {_cc(best)}"
+            return False, (f"{quant.describe()} needs {need[1]}; {gpu}, so no vLLM build can serve it here "
+                           f"(and {missing}); for a real vLLM smoke on this machine run `make vllm-env`, then the "
+                           f"example with recipe=none")
+        return False, missing
     ver = f"vLLM {platform.vllm_version or '?'}"
     if model is not None and model.non_gated_moe and platform.vllm_device == "cpu":
         return False, (f"{model.architecture}'s MoE experts are not gated (relu2); {ver} here is a CPU build, "

