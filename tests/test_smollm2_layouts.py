@@ -245,4 +245,5 @@ def test_layouts_that_do_not_divide_the_model_are_refused_before_start():
     err = proc.stderr
     assert "stages.quantize.parallel.tp=2: must divide model.num_attention_heads=9 (valid: 1, 3, 9)" in err
     assert "stages.quantize.parallel.tp=2: must divide model.num_query_groups=3 (valid: 1, 3)" in err
-    assert "stages.mmlu.parallel.pp=4: must divide model.num_layers=30 layers (valid: 1, 2, 3, 5, 6, 10, 15, 30)" in err
+    assert ("stages.mmlu.parallel.pp=4: must divide model.num_layers=30 layers: Megatron gives every pipeline "
+            "stage the same number of whole layers (valid: 1, 2, 3, 5, 6, 10, 15, 30)") in err
