@@ -32,7 +32,7 @@ def test_suite_runs_tiny_and_dry_runs_the_rest(tmp_path, tiny_dir):
     root = ET.parse(junit).getroot()
     assert (root.get("tests"), root.get("failures"), root.get("errors")) == ("7", "0", "0")
     excluded = cases["examples/tiny/NemotronH-MoE-tiny/megatron_lm_ptq.yaml"].find("skipped")
-    assert excluded.get("message") == "excluded by --exclude examples/tiny/NemotronH-MoE-tiny/*"
+    assert excluded.get("message") == "skipped: excluded by --exclude examples/tiny/NemotronH-MoE-tiny/*"
     md = (tmp_path / "out.md").read_text()
     assert "| examples/tiny/Qwen3-MoE-tiny/megatron_lm_ptq.yaml | mmlu | failed |" in md
     assert "| examples/tiny/Qwen3-MoE-tiny/megatron_lm_ptq.yaml | export | completed |" in md
