@@ -174,13 +174,9 @@ class RunVerb:
 
     @staticmethod
     def _command(cfg, plan, run_dir: str) -> list[str]:
-        if cfg.executor.kind == "local":
-            from launcher.executors.local import LocalExecutor
+        from launcher.pipeline import make_executor
 
-            return LocalExecutor(cfg.executor, "").agent_argv(plan, cfg.executor.master_port or 0)
-        from launcher.executors.slurm_script import render_sbatch
-
-        return ["sbatch <<'EOF'\n" + render_sbatch(plan, cfg.executor, run_dir) + "EOF"]
+        return make_executor(cfg, run_dir).describe(plan)
 
 
 class ValidateVerb:

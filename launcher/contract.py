@@ -33,6 +33,59 @@ class StageName(StrEnum):
 STAGE_ORDER = tuple(s.value for s in StageName)
 
 
+# The value sets of the config's choice keys (launcher.config.schema types its fields with them):
+# each member's name is its value, as OmegaConf writes and reads an Enum field by name.
+class Choice(StrEnum):
+    """A config value out of a fixed set: compares, formats and repr()s as its plain string."""
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+class ShardMode(Choice):
+    auto = "auto"
+    balanced = "balanced"
+    lockstep = "lockstep"
+    dense_dp = "dense_dp"
+
+
+class Dispatcher(Choice):
+    alltoall = "alltoall"
+    allgather = "allgather"
+
+
+class BaselineMode(Choice):
+    none = "none"
+    recorded = "recorded"
+    evaluate = "evaluate"
+    cached = "cached"
+
+
+class Device(Choice):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class VllmMode(Choice):
+    server = "server"
+    offline = "offline"
+
+
+class VllmScoring(Choice):
+    prompt_logprobs = "prompt_logprobs"
+    choice_logprobs = "choice_logprobs"
+
+
+class OnUnsupported(Choice):
+    skip = "skip"
+    fail = "fail"
+
+
+def values(choices: type[StrEnum]) -> tuple[str, ...]:
+    return tuple(m.value for m in choices)
+
+
 class StageStatus(StrEnum):
     """A stage's ``status`` in metadata.json."""
 

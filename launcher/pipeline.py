@@ -17,8 +17,9 @@ from omegaconf import DictConfig
 from launcher.config.validate import enabled_stages, stage_dims
 from launcher.contract import (
     EXIT_REASONS, STAGE_ORDER, ExitCode, JobState, RunLayout, StageName, StageStatus, split_secrets)
-from launcher.executors.base import StagePlan
-from launcher.rundir import RunDirectory, read_json
+from launcher.executors.base import Executor, StagePlan
+from launcher.rundir import RunDirectory
+from launcher.stages import registry
 
 QUIET_WARNINGS = "ignore::FutureWarning,ignore::DeprecationWarning,ignore::UserWarning"
 
@@ -46,7 +47,7 @@ def build_plans(cfg: DictConfig, run_dir: str, python: Optional[str] = None,
     return [stage_plan(cfg, s, run_dir, python, preflight_only) for s in stages]
 
 
-def make_executor(cfg: DictConfig, run_dir: str):
+def make_executor(cfg: DictConfig, run_dir: str) -> Executor:
     if cfg.executor.kind == "local":
         from launcher.executors.local import LocalExecutor
 
@@ -80,10 +81,10 @@ def stages_to_run(cfg: DictConfig, run: RunDirectory, resume: bool) -> list[str]
 
 def _record_stage_outcome(run: RunDirectory, stage: str, state: str, exit_code: int) -> str:
     """metadata.json for a finished stage; returns its status word."""
-    skip = read_json(run.layout.skip(stage))
-    if state == JobState.COMPLETED and skip:
-        run.update_stage(stage, status=StageStatus.SKIPPED, reason=skip.get("reason", ""), exit_code=exit_code)
-        print(f"[launch] {stage}: SKIPPED - {skip.get('reason', '')}", flush=True)
+    skip_reason = registry.get(stage).skip_reason(run.layout)
+    if state == JobState.COMPLETED and skip_reason is not None:
+        run.update_stage(stage, status=StageStatus.SKIPPED, reason=skip_reason, exit_code=exit_code)
+        print(f"[launch] {stage}: SKIPPED - {skip_reason}", flush=True)
         return StageStatus.SKIPPED
     status = {JobState.COMPLETED: StageStatus.COMPLETED, JobState.FAILED: StageStatus.FAILED,
               JobState.CANCELLED: StageStatus.CANCELLED}.get(state, state.lower())
@@ -101,30 +102,54 @@ def run_pipeline(cfg: DictConfig, run: RunDirectory, resume: bool = False, prefl
     todo = enabled_stages(cfg) if preflight_only else stages_to_run(cfg, run, resume)
     plans = build_plans(cfg, run.path, preflight_only=preflight_only, stages=todo)
     run.update_run(status=StageStatus.RUNNING, started=time.time())
-    if cfg.executor.kind == "slurm":
-        return _run_slurm(cfg, run, plans, detach)
-    return _run_local(cfg, run, plans, preflight_only)
+    return drive(make_executor(cfg, run.path), run, plans, preflight_only, detach)
 
 
-def _run_local(cfg: DictConfig, run: RunDirectory, plans: list[StagePlan], preflight_only: bool) -> int:
-    executor = make_executor(cfg, run.path)
-    final_code = 0
-    for i, plan in enumerate(plans):
-        what = "preflight" if preflight_only else "running"
-        print(f"[launch] {plan.name}: {what} on {plan.world_size} local rank(s) -> {plan.log_path}", flush=True)
-        run.update_stage(plan.name, status=StageStatus.RUNNING, world_size=plan.world_size)
-        result = executor.run_stage(plan)
-        status = _record_stage_outcome(run, plan.name, result.state, result.exit_code)
-        print(f"[launch] {plan.name}: {status} in {result.duration_s:.1f}s (exit {result.exit_code})", flush=True)
-        if result.state == JobState.CANCELLED:
-            _mark_not_run(run, [p.name for p in plans[i + 1:]], "cancelled")
-            run.update_run(status=StageStatus.CANCELLED, ended=time.time())
-            return ExitCode.CANCELLED
-        if result.state != JobState.COMPLETED:
-            final_code = result.exit_code or ExitCode.FAILED
-            if not cfg.allow_to_fail:
-                _mark_not_run(run, [p.name for p in plans[i + 1:]], f"{plan.name} failed")
+def drive(executor: Executor, run: RunDirectory, plans: list[StagePlan], preflight_only: bool = False,
+          detach: bool = False) -> int:
+    """The one loop for every executor: record each stage's result as it comes, stop after a
+    failure (unless allow_to_fail or the executor stops later stages itself), Ctrl-C cancels."""
+    def progress(stage: str, message: str, **fields) -> None:
+        if fields:
+            run.update_stage(stage, **fields)
+        print(f"[launch] {stage}: {message}", flush=True)
+
+    final_code, done = 0, 0
+    try:
+        for result in executor.run(plans, progress, preflight_only=preflight_only, detach=detach):
+            plan = plans[done]
+            assert result.name == plan.name, (result.name, plan.name)
+            done += 1
+            status = _record_stage_outcome(run, plan.name, result.state, result.exit_code)
+            if result.duration_s is not None:
+                print(f"[launch] {plan.name}: {status} in {result.duration_s:.1f}s (exit {result.exit_code})", flush=True)
+            if result.interrupted:
+                _mark_not_run(run, [p.name for p in plans[done:]], "cancelled")
+                run.update_run(status=StageStatus.CANCELLED, ended=time.time())
+                return ExitCode.CANCELLED
+            if result.state == JobState.COMPLETED:
+                continue
+            if result.reason:
+                run.update_stage(plan.name, reason=result.reason)
+            if result.errors:
+                run.update_stage(plan.name, errors=result.errors)
+                for line in result.errors:
+                    print(f"[launch] {plan.name}: {line}", flush=True)
+            code = result.exit_code or ExitCode.FAILED
+            # the local executor has always reported the last failure, Slurm the first
+            final_code = (final_code or code) if executor.chains_failures else code
+            if not plan.allow_to_fail and not executor.chains_failures:
+                _mark_not_run(run, [p.name for p in plans[done:]], f"{plan.name} failed")
                 break
+    except KeyboardInterrupt:
+        executor.cancel()
+        for plan in plans[done:]:
+            run.update_stage(plan.name, status=StageStatus.CANCELLED, reason="Ctrl-C: cancelled by launch")
+        run.update_run(status=StageStatus.CANCELLED, ended=time.time())
+        return ExitCode.CANCELLED
+    if executor.detached:
+        print(f"[launch] detached; follow with: launch status {run.path}", flush=True)
+        return 0
     run.update_run(status=StageStatus.COMPLETED if final_code == 0 else StageStatus.FAILED, ended=time.time(),
                    exit_code=final_code)
     _print_summary(run)
@@ -137,48 +162,6 @@ def _mark_not_run(run: RunDirectory, stages: list[str], why: str) -> None:
         print(f"[launch] {s}: not run ({why})", flush=True)
 
 
-def _run_slurm(cfg: DictConfig, run: RunDirectory, plans: list[StagePlan], detach: bool) -> int:
-    executor = make_executor(cfg, run.path)
-    job_ids = executor.submit(plans)
-    for plan, job in zip(plans, job_ids):
-        run.update_stage(plan.name, status=StageStatus.SUBMITTED, job_id=job)
-        print(f"[launch] {plan.name}: submitted as Slurm job {job}", flush=True)
-    if detach:
-        print(f"[launch] detached; follow with: launch status {run.path}", flush=True)
-        return 0
-
-    def on_state(stage: str, state: str, info: dict) -> None:
-        if state == JobState.RUNNING:
-            run.update_stage(stage, status=StageStatus.RUNNING)
-        print(f"[launch] {stage}: {state} {info.get('reason', '') or ''}".rstrip(), flush=True)
-
-    try:
-        finals = executor.follow(job_ids, on_state)
-    except KeyboardInterrupt:
-        executor.cancel(job_ids)
-        for plan in plans:
-            run.update_stage(plan.name, status=StageStatus.CANCELLED, reason="Ctrl-C: cancelled by launch")
-        run.update_run(status=StageStatus.CANCELLED, ended=time.time())
-        return ExitCode.CANCELLED
-    final_code = 0
-    for plan in plans:
-        state = finals.get(plan.name, JobState.UNKNOWN)
-        code = 0 if state == JobState.COMPLETED else int(executor.job_info(plan.name).get("exit_code") or 1)
-        _record_stage_outcome(run, plan.name, state, code)
-        if state != JobState.COMPLETED:
-            run.update_stage(plan.name, reason=f"Slurm state {state}" + (f": {EXIT_REASONS[code]}" if code in EXIT_REASONS else ""))
-            errors = executor.failure_lines(plan.name)   # which task, node or rank failed, from the log
-            if errors:
-                run.update_stage(plan.name, errors=errors)
-                for line in errors:
-                    print(f"[launch] {plan.name}: {line}", flush=True)
-            final_code = final_code or code or 1
-    run.update_run(status=StageStatus.COMPLETED if final_code == 0 else StageStatus.FAILED, ended=time.time(),
-                   exit_code=final_code)
-    _print_summary(run)
-    return final_code
-
-
 def _print_summary(run: RunDirectory) -> None:
     meta = run.metadata()
     print(f"[launch] run {meta['run_id']}: {meta['status']}  ({run.path})", flush=True)
@@ -189,10 +172,10 @@ def _print_summary(run: RunDirectory) -> None:
         extra = f" - {st['reason']}" if st.get("reason") else ""
         dur = f" {st['duration_s']:.1f}s" if "duration_s" in st else ""
         print(f"[launch]   {s:<11} {st.get('status', '?'):<10}{dur}{extra}", flush=True)
-    results = read_json(run.layout.mmlu_results)
-    if results:
-        print(f"[launch]   mmlu accuracy {results.get('accuracy')} (n={results.get('n')}, "
-              f"bound {results.get('lower_bound')}, pass={results.get('pass')})", flush=True)
+    for s in STAGE_ORDER:
+        line = registry.get(s).summary(run.layout)
+        if line:
+            print(f"[launch]   {line}", flush=True)
 
 
 def _dims_if_valid(cfg: DictConfig, stage: str):

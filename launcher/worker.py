@@ -1,22 +1,18 @@
 """`python -m launcher.worker STAGE RUN_DIR [--preflight-only]`: what every rank runs.
 
 Reads RUN_DIR/config.yaml, initializes torch.distributed + Megatron-Core parallel_state at the
-stage's degrees, runs the preflight, then ``launcher.stages.<STAGE>.run(ctx)``.  Rank 0 writes
+stage's degrees, runs the preflight, then the stage's ``run(ctx)`` (launcher.stages.registry).  Rank 0 writes
 the stage's manifest on success.  Exit codes: launcher.contract.ExitCode (1 failed, 3 gate failed,
 4 desync, 5 preflight).
 """
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 import time
 import traceback
 
-from launcher.contract import ExitCode, RunLayout, StageFailed, StageName
-
-# Stages whose ranks need no torch.distributed / Megatron (vLLM runs out of process).
-STAGES_WITHOUT_MEGATRON = frozenset({StageName.VLLM_SMOKE})
+from launcher.contract import ExitCode, RunLayout, StageFailed
 
 
 def choose_device(requested: str, local_world: int) -> str:
@@ -54,6 +50,7 @@ def main(argv: list[str]) -> int:
     from omegaconf import OmegaConf
 
     from launcher.config.validate import stage_dims
+    from launcher.stages import registry
     from launcher.stages.context import StageContext
 
     cfg = OmegaConf.load(RunLayout(run_dir).config_yaml)
@@ -68,8 +65,9 @@ def main(argv: list[str]) -> int:
     ctx = StageContext(name=stage, cfg=cfg, run_dir=run_dir, rank=rank, world_size=world,
                        local_rank=local_rank, dims=dims, device=device)
     t0 = time.time()
-    if stage in STAGES_WITHOUT_MEGATRON:
-        return 0 if preflight_only else _run_stage(stage, ctx, cfg, run_dir, rank, world, device, t0, shutdown=None)
+    spec = registry.get(stage)
+    if not spec.needs_megatron:
+        return 0 if preflight_only else _run_stage(spec, ctx, cfg, run_dir, rank, world, device, t0, shutdown=None)
     from launcher.megatron import dist as mdist
     from launcher.preflight import PreflightError, run_preflight
 
@@ -88,15 +86,15 @@ def main(argv: list[str]) -> int:
     if preflight_only:
         mdist.shutdown()
         return 0
-    return _run_stage(stage, ctx, cfg, run_dir, rank, world, device, t0, shutdown=mdist.shutdown)
+    return _run_stage(spec, ctx, cfg, run_dir, rank, world, device, t0, shutdown=mdist.shutdown)
 
 
-def _run_stage(stage, ctx, cfg, run_dir, rank, world, device, t0, shutdown) -> int:
+def _run_stage(spec, ctx, cfg, run_dir, rank, world, device, t0, shutdown) -> int:
     from launcher.rundir import write_manifest
 
+    stage = spec.name
     try:
-        module = importlib.import_module(f"launcher.stages.{stage}")
-        module.run(ctx)
+        spec.run(ctx)
     except StageFailed as e:
         print(f"[{stage} r{rank}] STAGE FAILED: {e}", file=sys.stderr, flush=True)
         _flush_and_exit(e.exit_code)

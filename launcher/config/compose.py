@@ -14,6 +14,7 @@ from typing import Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
+from launcher import formats
 from launcher.config import schema
 from launcher.config.hf_card import card_from_hf_config, read_hf_config
 
@@ -142,6 +143,13 @@ def _explain_hydra_error(e: Exception) -> str:
     if unknown:
         return _unknown_key_message(unknown.group(1))
     cause = e.__cause__ or e.__context__
+    choice = re.match(r"Error merging override ([\w.]+)=", msg)
+    bad = re.match(r"Invalid value '(.*)', expected one of \[(.*)\]", str(cause or "").splitlines()[0] if cause else "")
+    if choice and bad:   # an Enum field of the schema: the key, the value and the valid ones
+        key, value = choice.group(1), bad.group(1)
+        if key == "recipe.format":
+            return f"{key}={value!r}: {formats.format_problem(value)}"
+        return f"{key}={value!r}: valid: {bad.group(2)}"
     if "Error merging override" in msg and cause is not None:
         return f"{msg}: {str(cause).splitlines()[0]}"
     if "Could not find 'recipe/" in msg:

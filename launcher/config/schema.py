@@ -12,14 +12,17 @@ from typing import Any, Optional, Union
 from omegaconf import MISSING
 
 from launcher.contract import STAGE_ORDER  # noqa: F401  (the stage names are the contract's)
+from launcher.contract import (
+    BaselineMode, Device, Dispatcher, OnUnsupported, ShardMode, VllmMode, VllmScoring, values)
+from launcher.formats import FormatName
 
-SHARD_MODES = ("auto", "balanced", "lockstep", "dense_dp")
-VLLM_MODES = ("server", "offline")
-VLLM_SCORING = ("prompt_logprobs", "choice_logprobs")
-ON_UNSUPPORTED = ("skip", "fail")
-DEVICES = ("auto", "cpu", "cuda")
-DISPATCHERS = ("alltoall", "allgather")
-BASELINE_MODES = ("none", "recorded", "evaluate", "cached")
+SHARD_MODES = values(ShardMode)
+VLLM_MODES = values(VllmMode)
+VLLM_SCORING = values(VllmScoring)
+ON_UNSUPPORTED = values(OnUnsupported)
+DEVICES = values(Device)
+DISPATCHERS = values(Dispatcher)
+BASELINE_MODES = values(BaselineMode)
 
 
 @dataclass
@@ -46,7 +49,7 @@ class RecipeConfig:
     """A quantization recipe: a named ModelOpt config, a ModelOpt recipe YAML, or none."""
 
     name: str = MISSING
-    format: str = MISSING              # nvfp4 | fp8 | none (launcher/formats.py): what export must contain
+    format: FormatName = MISSING       # nvfp4 | fp8 | none (launcher/formats.py): what export must contain
     modelopt_cfg: Optional[str] = None  # e.g. NVFP4_DEFAULT_CFG (attribute of modelopt.torch.quantization)
     recipe_path: Optional[str] = None   # a ModelOpt recipe YAML instead of a named config
     exclude_modules: list[str] = field(default_factory=list)  # extra wildcard patterns left unquantized
@@ -69,7 +72,7 @@ class ExecutorConfig:
     """What every executor takes; each kind (config group ``executor``) extends it."""
 
     kind: str = MISSING                # local | slurm
-    device: str = "auto"               # auto | cpu | cuda
+    device: Device = Device.auto       # auto | cpu | cuda
     omp_num_threads: int = 1
     collective_timeout_s: int = 120    # process-group timeout for every stage
     # master_port is each kind's own: a free port here (local), derived from the job id (slurm)
@@ -118,7 +121,7 @@ class QuantizeStage:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     calib: CalibConfig = field(default_factory=CalibConfig)
     dtype: str = "bfloat16"            # params dtype on GPU; CPU always runs fp32
-    moe_dispatcher: str = "alltoall"
+    moe_dispatcher: Dispatcher = Dispatcher.alltoall
 
 
 @dataclass
@@ -135,13 +138,13 @@ class MmluStage:
     add_bos: Optional[bool] = None     # None: as lm-evaluation-harness does for the tokenizer
     lower_bound: Optional[float] = None
     max_drop: Optional[float] = None
-    baseline: str = "none"             # none | recorded | evaluate (or reuse its cache) | cached (cache only)
+    baseline: BaselineMode = BaselineMode.none  # none | recorded | evaluate (or reuse its cache) | cached (cache only)
     baseline_accuracy: Optional[float] = None  # with baseline=recorded
     baseline_cache_dir: Optional[str] = None   # per-question baseline cache (default <cache_dir()>/mmlu_baseline)
-    shard_mode: str = "auto"           # auto | balanced | lockstep | dense_dp (tests only at EP>1)
+    shard_mode: ShardMode = ShardMode.auto  # auto | balanced | lockstep | dense_dp (tests only at EP>1)
     allow_unsafe_shard_mode: bool = False  # test flag: permit dense_dp at EP>1 (reproduces the hang)
     collective_timeout_s: int = 45     # guard + collectives: far below NCCL's 600 s
-    moe_dispatcher: str = "alltoall"
+    moe_dispatcher: Dispatcher = Dispatcher.alltoall
 
 
 @dataclass
@@ -160,11 +163,11 @@ class VllmSmokeStage:
     enabled: bool = False
     disabled_reason: str = ""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    mode: str = "server"               # server | offline
+    mode: VllmMode = VllmMode.server   # server | offline
     python: Optional[str] = None       # interpreter with vLLM (default: .venv-vllm, then this one)
     score_choices: bool = True         # score the gate's questions through vLLM, compare with mmlu/results.json
     questions: int = 0                 # how many of the gate's questions (evenly spaced, gate order); 0: all
-    scoring: str = "prompt_logprobs"   # prompt_logprobs | choice_logprobs: how vLLM scores " A".." D"
+    scoring: VllmScoring = VllmScoring.prompt_logprobs  # prompt_logprobs | choice_logprobs: how vLLM scores " A".." D"
     min_agreement: Optional[float] = None  # null: 0.99 for an unquantized export, 0.95 for a quantized one
     tie_margin: float = 0.25           # gate top-2 logit margin below which a question is reported, not counted
     min_accuracy: Optional[float] = None   # served accuracy floor; null: the gate's lower_bound (0 without one)
@@ -173,7 +176,7 @@ class VllmSmokeStage:
     startup_timeout_s: int = 600
     request_timeout_s: int = 600
     model_dir: Optional[str] = None    # serve this HF directory instead of export/<stages.export.name>
-    on_unsupported: str = "skip"       # skip | fail
+    on_unsupported: OnUnsupported = OnUnsupported.skip  # skip | fail
     force: bool = False                # skip the capability check (vLLM's own refusal is reported)
     extra_args: list[str] = field(default_factory=list)
 

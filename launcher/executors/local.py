@@ -12,17 +12,10 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from typing import Iterator
 
-from launcher.contract import ExitCode
-from launcher.executors.base import CANCELLED, COMPLETED, FAILED, StagePlan
-
-
-@dataclass
-class StageResult:
-    state: str
-    exit_code: int
-    duration_s: float
+from launcher.contract import ExitCode, StageStatus
+from launcher.executors.base import CANCELLED, COMPLETED, FAILED, Progress, StagePlan, StageResult
 
 
 def free_port() -> int:
@@ -32,11 +25,27 @@ def free_port() -> int:
 
 
 class LocalExecutor:
+    """The ``Executor`` protocol on this machine: one stage at a time, each as N processes."""
+
+    chains_failures = False
+    detached = False
+
     def __init__(self, cfg, run_dir: str, echo: bool = True):
         self.cfg = cfg
         self.run_dir = run_dir
         self.echo = echo
         self._proc: subprocess.Popen | None = None
+
+    def run(self, plans: list[StagePlan], progress: Progress, preflight_only: bool = False,
+            detach: bool = False) -> Iterator[StageResult]:
+        what = "preflight" if preflight_only else "running"
+        for plan in plans:
+            progress(plan.name, f"{what} on {plan.world_size} local rank(s) -> {plan.log_path}",
+                     status=StageStatus.RUNNING, world_size=plan.world_size)
+            yield self.run_stage(plan)
+
+    def describe(self, plan: StagePlan) -> list[str]:
+        return self.agent_argv(plan, self.cfg.master_port or 0)
 
     def agent_argv(self, plan: StagePlan, port: int) -> list[str]:
         return [sys.executable, "-m", "launcher.executors.local_agent", str(plan.world_size), str(port), "--", *plan.argv]
@@ -68,12 +77,13 @@ class LocalExecutor:
             except KeyboardInterrupt:
                 self.cancel()
                 log.write("# cancelled (Ctrl-C)\n")
-                return StageResult(CANCELLED, ExitCode.CANCELLED, time.time() - start)
+                return StageResult(plan.name, CANCELLED, ExitCode.CANCELLED, time.time() - start, interrupted=True)
             finally:
                 self._proc = None
-        return StageResult(COMPLETED if code == 0 else FAILED, code, time.time() - start)
+        return StageResult(plan.name, COMPLETED if code == 0 else FAILED, code, time.time() - start)
 
     def cancel(self) -> None:
+        """Stop the running stage's process group (SIGTERM, then SIGKILL)."""
         proc = self._proc
         if proc is None or proc.poll() is not None:
             return

@@ -26,10 +26,10 @@ import shutil
 import subprocess
 import sys
 import time
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
-from launcher.contract import RunLayout, write_json_atomic
-from launcher.executors.base import StagePlan
+from launcher.contract import EXIT_REASONS, JobState, RunLayout, StageStatus, write_json_atomic
+from launcher.executors.base import Progress, StagePlan, StageResult
 from launcher.executors.slurm_script import dependency_spec, render_sbatch, split_secret_env, stage_env
 from launcher.executors.slurm_state import (
     FINAL_STATES,
@@ -137,6 +137,8 @@ class SlurmExecutor:
     """Run a pipeline's stages as chained sbatch jobs.  ``cfg``: a SlurmExecutorConfig (DictConfig
     or dataclass); ``run_dir``: the run directory (scripts and jobs.json go to ``run_dir/slurm``)."""
 
+    chains_failures = True   # afterok dependencies: Slurm cancels what comes after a failed stage
+
     def __init__(self, cfg: Any, run_dir: str, echo: Optional[Callable[[str], None]] = None):
         self.cfg = cfg
         self.run_dir = os.path.abspath(run_dir)
@@ -145,6 +147,38 @@ class SlurmExecutor:
         self.echo = echo if echo is not None else (lambda line: print(line, flush=True))
         self.poll_interval_s = float(_get(cfg, "poll_interval_s", 2.0) or 2.0)
         self._record: Optional[dict] = None
+        self._job_ids: list[str] = []
+        self.detached = False
+
+    # ------------------------------------------------------------------ the Executor protocol
+    def run(self, plans: list[StagePlan], progress: Progress, preflight_only: bool = False,
+            detach: bool = False) -> Iterator[StageResult]:
+        """Submit every plan, then (unless ``detach``) follow the jobs to their ends and yield each
+        stage's result.  Ctrl-C while following propagates (the pipeline calls ``cancel``)."""
+        self._job_ids = job_ids = self.submit(plans)
+        for plan, job in zip(plans, job_ids):
+            progress(plan.name, f"submitted as Slurm job {job}", status=StageStatus.SUBMITTED, job_id=job)
+        if detach:
+            self.detached = True
+            return
+
+        def on_state(stage: str, state: str, info: dict) -> None:
+            fields = {"status": StageStatus.RUNNING} if state == JobState.RUNNING else {}
+            progress(stage, f"{state} {info.get('reason', '') or ''}".rstrip(), **fields)
+
+        finals = self.follow(job_ids, on_state)
+        for plan in plans:
+            state = finals.get(plan.name, JobState.UNKNOWN)
+            if state == JobState.COMPLETED:
+                yield StageResult(plan.name, state, 0)
+                continue
+            code = int(self.job_info(plan.name).get("exit_code") or 1)
+            reason = f"Slurm state {state}" + (f": {EXIT_REASONS[code]}" if code in EXIT_REASONS else "")
+            # which task, node or rank failed, from the log
+            yield StageResult(plan.name, state, code, reason=reason, errors=self.failure_lines(plan.name))
+
+    def describe(self, plan: StagePlan) -> list[str]:
+        return ["sbatch <<'EOF'\n" + render_sbatch(plan, self.cfg, self.run_dir) + "EOF"]
 
     # ------------------------------------------------------------------ helpers for the pipeline
     def worker_argv(self, stage: str) -> list[str]:
@@ -328,8 +362,10 @@ class SlurmExecutor:
         return out + found
 
     # ------------------------------------------------------------------ cancel / status
-    def cancel(self, job_ids: Sequence[str]) -> None:
-        """scancel the jobs (Ctrl-C in `launch`); jobs that already ended are left as they are."""
+    def cancel(self, job_ids: Optional[Sequence[str]] = None) -> None:
+        """scancel the jobs (default: those run() submitted; Ctrl-C in `launch`); jobs that already
+        ended are left as they are."""
+        job_ids = self._job_ids if job_ids is None else job_ids
         if job_ids:
             scancel(job_ids)
 

@@ -19,10 +19,11 @@ from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from typing import Optional, Sequence
 
+from launcher.contract import BaselineMode, values
 from launcher.mmlu.paired import PairedComparison
 
 Z95 = 1.959963984540054
-BASELINE_MODES = ("none", "recorded", "evaluate", "cached")
+BASELINE_MODES = values(BaselineMode)
 PER_QUESTION_BASELINES = ("evaluate", "cached")
 
 

@@ -26,10 +26,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+from launcher.contract import Dispatcher, ShardMode, values
 from launcher.topology import ParallelDims
 
-SHARD_MODES = ("auto", "balanced", "lockstep", "dense_dp")
-DISPATCHERS = ("alltoall", "allgather")
+SHARD_MODES = values(ShardMode)
+DISPATCHERS = values(Dispatcher)
 # groups whose ranks enter a forward's collectives together
 FORWARD_GROUPS = ("tp", "pp", "cp", "ep", "etp")
 PEER_GROUPS = ("tp", "pp", "cp")   # must evaluate identical batches
