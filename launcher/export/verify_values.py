@@ -21,7 +21,7 @@ from __future__ import annotations
 import re
 from typing import Optional
 
-from launcher.export.dequant import dequantize_module
+from launcher.export.dequant import dequantize_module, nvfp4_block_size
 from launcher.export.safetensors_dir import TensorInfo, load_tensors
 from launcher.export.verify_layout import Findings
 
@@ -183,7 +183,7 @@ def compare_references(export_dir: str, references: dict, fmt: str,
         over = int((diff > step + ulps).sum())             # beyond one quantization step: wrong data
         entry.update(max_abs_diff=diff.max().item(), elements=diff.numel(),
                      mismatched=int((diff != 0).sum()), flips=flips, bit_exact=bool((diff == 0).all()))
-        block = tensors[f"{m}.weight"].shape[-1] * 2 // tensors[f"{m}.weight_scale"].shape[-1] \
+        block = nvfp4_block_size(tensors[f"{m}.weight"], tensors[f"{m}.weight_scale"]) \
             if fmt == "nvfp4" and m in deq else NVFP4_BLOCK
         if flips and fmt == "nvfp4" and m in deq and ref.shape[-1] % block == 0:
             blocks = flipped.reshape(*ref.shape[:-1], -1, block)
