@@ -16,6 +16,7 @@ from launcher.executors.base import StagePlan
 from launcher.executors.slurm_env import expand_hostlist, rendezvous_defaults, tasks_on_node
 from launcher.executors.slurm_script import ScriptError, dependency_spec, render_sbatch, split_secret_env
 from launcher.executors.slurm_state import (
+    failure_lines_of_log,
     job_info,
     parse_sbatch_parsable,
     parse_scontrol_jobs,
@@ -258,3 +259,50 @@ def test_validate_refuses_nodes_that_do_not_split_a_stage():
     lines = [ln for ln in str(e.value).splitlines() if "executor.nodes=3" in ln]
     assert [ln.split(": ", 1)[1].split(" has ")[0] for ln in lines] == ["stages.quantize", "stages.mmlu", "stages.export"]
     assert "4 ranks, which do not split evenly over 3 nodes (valid: 1, 2, 4)" in lines[0]
+
+
+# stage log of CI run 2026-12-03 (two nodes; rank 3 on node02 SIGKILLed mid-gate): the surviving ranks
+# fail on the broken connection and srun reports task 2's exit before task 3's kill
+KILLED_RANK_LOG = """\
+[mmlu r0 08:52:37] quantized: step 2/5
+[mmlu r0] STAGE FAILED with an exception: RuntimeError: [gloo/transport/tcp/pair.cc:537] Read error [10.213.0.12]:58528: Connection reset by peer. This is typically caused by a remote worker hanging
+[mmlu r2] STAGE FAILED with an exception: RuntimeError: [gloo/transport/tcp/pair.cc:537] Read error [10.213.0.12]:40669: Connection reset by peer. This is typically caused by a remote worker hanging
+[mmlu r1] STAGE FAILED with an exception: RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer [10.213.0.12]:44768. This is typically caused by a remote worker crashing.
+srun: error: node02: task 2: Exited with exit code 1
+srun: launch/slurm: _step_signal: Terminating StepId=46288746.0
+slurmstepd-node01: error: *** STEP 46288746.0 ON node01 CANCELLED AT 2026-12-03T08:52:38 ***
+srun: error: node02: task 3: Killed
+srun: error: node01: tasks 0-1: Exited with exit code 1
+srun: Force Terminated StepId=46288746.0
+"""
+
+
+def test_failure_lines_put_the_killed_task_first():
+    assert failure_lines_of_log(KILLED_RANK_LOG, limit=3) == [
+        "srun: error: node02: task 3: Killed",
+        "[mmlu r0] STAGE FAILED with an exception: RuntimeError: [gloo/transport/tcp/pair.cc:537] Read error "
+        "[10.213.0.12]:58528: Connection reset by peer. This is typically caused by a remote worker hanging",
+        "[mmlu r2] STAGE FAILED with an exception: RuntimeError: [gloo/transport/tcp/pair.cc:537] Read error "
+        "[10.213.0.12]:40669: Connection reset by peer. This is typically caused by a remote worker hanging",
+    ]
+
+
+def test_failure_lines_tiers_and_log_order():
+    log = "\n".join([
+        "srun: error: node01: tasks 0-1: Exited with exit code 3",
+        "[mmlu r1] STAGE FAILED: desync guard: ranks [0, 1, 2, 3] did not all reach step 2",
+        "[mmlu r1] STAGE FAILED: desync guard: ranks [0, 1, 2, 3] did not all reach step 2",   # repeated
+        "slurmstepd: error: *** JOB 12 ON node02 CANCELLED AT 2026-12-03T08:00:00 DUE TO NODE FAILURE ***",
+        "[export r0] PREFLIGHT FAILED: no space left on /runs",
+        "srun: error: Task launch for StepId=12.0 failed on node node02: Communication connection failure",
+        "unrelated: srun: error: not at the start of the line",
+    ])
+    assert failure_lines_of_log(log) == [
+        "slurmstepd: error: *** JOB 12 ON node02 CANCELLED AT 2026-12-03T08:00:00 DUE TO NODE FAILURE ***",
+        "srun: error: Task launch for StepId=12.0 failed on node node02: Communication connection failure",
+        "[mmlu r1] STAGE FAILED: desync guard: ranks [0, 1, 2, 3] did not all reach step 2",
+        "[export r0] PREFLIGHT FAILED: no space left on /runs",
+    ]
+    assert failure_lines_of_log(log, limit=6)[-1] == "srun: error: node01: tasks 0-1: Exited with exit code 3"
+    assert failure_lines_of_log("x" * 10 + "\n[a r0] STAGE FAILED " + "y" * 400) == ["[a r0] STAGE FAILED " + "y" * 280]
+    assert failure_lines_of_log("all good\n") == []

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -35,6 +34,7 @@ from launcher.executors.slurm_state import (
     FINAL_STATES,
     UNKNOWN,
     JobInfo,
+    failure_lines_of_log,
     is_invalid_job_error,
     job_info,
     parse_sbatch_parsable,
@@ -49,11 +49,6 @@ UNKNOWN_AFTER_POLLS = 3
 CONTROLLER_GRACE_S = 120.0
 
 OnState = Callable[[str, str, dict], None]
-# lines of a stage's log that say what failed and where: srun's per-task and per-node errors
-# ("srun: error: node02: task 3: Killed", "Task launch ... failed on node node02: ..."), slurmstepd's
-# "*** JOB 12 ON node01 CANCELLED ... DUE TO NODE FAILURE ***", and the ranks' own verdicts
-# ("[mmlu r2] STAGE FAILED: ... desync guard: ranks [0, 1, 2, 3] did not all reach ...")
-FAILURE_LINE = re.compile(r"^(srun: error: |slurmstepd\S*: error: \*\*\* |\[\w+ r\d+\] (STAGE|PREFLIGHT) FAILED)")
 
 
 class SlurmError(RuntimeError):
@@ -342,8 +337,8 @@ class SlurmExecutor:
     def failure_lines(self, stage: str, limit: int = 4) -> list[str]:
         """What failed and where, for a stage that did not complete: the nodes of its job that
         slurmctld now holds down or not responding (``unhealthy_nodes``), then the first ``limit``
-        distinct FAILURE_LINE lines of this submission's part of the stage's log (the cause comes
-        before its consequences); [] when there is nothing to say."""
+        distinct failure lines of this submission's part of the stage's log, causes first
+        (``failure_lines_of_log``); [] when there is nothing to say."""
         st = self._load_record()["stages"].get(stage) or {}
         out = unhealthy_nodes((st.get("final_info") or {}).get("node_list") or "")
         try:
@@ -352,14 +347,7 @@ class SlurmExecutor:
                 text = f.read().decode("utf-8", "replace")
         except OSError:
             return out
-        found: list[str] = []
-        for line in text.splitlines():
-            line = line.strip()
-            if FAILURE_LINE.match(line) and line[:300] not in found:
-                found.append(line[:300])
-                if len(found) == limit:
-                    break
-        return out + found
+        return out + failure_lines_of_log(text, limit)
 
     # ------------------------------------------------------------------ cancel / status
     def cancel(self, job_ids: Optional[Sequence[str]] = None) -> None:

@@ -132,3 +132,37 @@ def parse_sbatch_parsable(stdout: str) -> str:
 def is_invalid_job_error(stderr: str) -> bool:
     """scontrol's answer for a job id the controller does not (or no longer) know."""
     return "Invalid job id" in stderr
+
+
+# Lines of a stage's log that say what failed and where, in three tiers, most telling first:
+#   0  where it broke: srun naming a task killed by a signal ("srun: error: node02: task 3: Killed")
+#      or a launch that failed on a node, slurmstepd's "*** ... DUE TO NODE FAILURE/TIME LIMIT ***"
+#   1  a rank's own verdict ("[mmlu r2] STAGE FAILED: ... desync guard: ranks [0, 1, 2, 3] ...")
+#   2  consequences: tasks that exited non-zero, a rank that lost its peer's connection, a step
+#      cancelled because another task died
+# Log order alone does not put the cause first: srun prints "task 3: Killed" for the SIGKILLed rank
+# after the surviving ranks' errors whenever they fail first on the broken connection.
+FAILURE_LINE = re.compile(r"^(srun: error: |slurmstepd\S*: error: \*\*\* |\[\w+ r\d+\] (STAGE|PREFLIGHT) FAILED)")
+_EXITED = re.compile(r"^srun: error: \S+: tasks? [\d,-]+: Exited with exit code")
+_SLURMSTEPD_CAUSE = re.compile(r"DUE TO (NODE FAILURE|TIME LIMIT|PREEMPTION)")
+_PEER_LOST = re.compile(r"Connection (closed|reset) by peer|remote worker (crashing|hanging)")
+
+
+def _failure_tier(line: str) -> int:
+    if line.startswith("srun: error: "):
+        return 2 if _EXITED.match(line) else 0
+    if line.startswith("slurmstepd"):
+        return 0 if _SLURMSTEPD_CAUSE.search(line) else 2
+    return 2 if _PEER_LOST.search(line) else 1
+
+
+def failure_lines_of_log(text: str, limit: int = 4, width: int = 300) -> list[str]:
+    """The first ``limit`` distinct FAILURE_LINE lines of ``text`` (each cut to ``width``
+    characters), causes before consequences (the tiers above), log order within a tier."""
+    assert limit > 0, limit
+    found: list[str] = []
+    for line in text.splitlines():
+        line = line.strip()[:width]
+        if FAILURE_LINE.match(line) and line not in found:
+            found.append(line)
+    return sorted(found, key=_failure_tier)[:limit]   # sorted() is stable: log order within a tier
