@@ -161,6 +161,10 @@ class RunVerb:
                 reason = st.get("disabled_reason", "")
                 print(f"\n## {st['name']}: disabled" + (f" - {reason}" if reason else ""))
                 continue
+            if "tensor_parallel_size" in st:
+                print(f"\n## {st['name']}: 1 rank; vLLM tensor_parallel_size {st['tensor_parallel_size']}")
+                print("   command: " + " ".join(self._command(cfg, plans[st["name"]], run_dir)))
+                continue
             dims = stage_dims(cfg, st["name"])
             print(f"\n## {st['name']}: world {dims.world_size} = tp {dims.tp} x cp {dims.cp} x dp {dims.dp} x pp {dims.pp}"
                   f"; experts: etp {dims.etp} x ep {dims.ep} x edp {dims.edp} x pp {dims.pp}")

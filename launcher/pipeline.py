@@ -190,13 +190,19 @@ def describe_plan(cfg: DictConfig, run_dir: str = "<run_dir>") -> dict:
     stages = []
     for s in STAGE_ORDER:
         st = cfg.stages[s]
+        if s == StageName.VLLM_SMOKE:   # one launcher rank; vLLM starts its own tensor-parallel workers
+            entry = {"name": s, "enabled": bool(st.enabled)}
+            if st.enabled:
+                entry.update(world_size=1, tensor_parallel_size=int(st.tensor_parallel_size))
+            elif st.disabled_reason:
+                entry["disabled_reason"] = st.disabled_reason
+            stages.append(entry)
+            continue
         dims = stage_dims(cfg, s) if st.enabled else _dims_if_valid(cfg, s)   # a disabled stage's may be unset
         entry = {"name": s, "enabled": bool(st.enabled), **(dims.describe() if dims else {})}
         if s == StageName.MMLU and dims:
             entry["shard_mode"] = st.shard_mode
             entry["shard_group"] = ("edp" if (st.shard_mode == "lockstep" and dims.ep > 1) else "dp")
-        if not st.enabled and st.get("disabled_reason"):
-            entry["disabled_reason"] = st.disabled_reason
         stages.append(entry)
     return {"job_name": cfg.job_name, "executor": cfg.executor.kind, "recipe": cfg.recipe.name,
             "model": cfg.model.name, "stages": stages}

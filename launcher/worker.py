@@ -56,7 +56,7 @@ def main(argv: list[str]) -> int:
     cfg = OmegaConf.load(RunLayout(run_dir).config_yaml)
     dims = stage_dims(cfg, stage)
     if world != dims.world_size:
-        print(f"[{stage} r{rank}] started with WORLD_SIZE={world} but stages.{stage}.parallel needs "
+        print(f"[{stage} r{rank}] started with WORLD_SIZE={world} but the stage's plan (stages.{stage}) needs "
               f"{dims.world_size} ranks", file=sys.stderr, flush=True)
         return ExitCode.PREFLIGHT
     local_world = env["local_world_size"]

@@ -158,10 +158,31 @@ def test_suite_passes_the_given_runs_root_to_every_example(tmp_path, monkeypatch
 
 
 # found by tests/test_validate_property.py: accepted by validate, then refused by the plan or a stage
-def test_vllm_smoke_rank_grid_is_validated(capsys):
-    assert validate(capsys, "stages.vllm_smoke.parallel.tp=2") == (2, [
-        "stages.vllm_smoke.parallel.world_size=1: world_size 1 is not divisible by tp(2) * cp(1) * pp(1) = 2; "
-        "valid world sizes are multiples of 2"])
+def test_vllm_smoke_tensor_parallel_is_validated(capsys):
+    assert validate(capsys, "stages.vllm_smoke.tensor_parallel_size=3") == (2, [
+        "stages.vllm_smoke.tensor_parallel_size=3: must divide model.num_attention_heads=4 (valid: 1, 2, 4)"])
+    assert validate(capsys, "stages.vllm_smoke.tensor_parallel_size=0") == (2, [
+        "stages.vllm_smoke.tensor_parallel_size=0: must be >= 1"])
+    assert validate(capsys, "executor=slurm", "executor.gpus_per_node=1", "stages.vllm_smoke.tensor_parallel_size=2") == (2, [
+        "stages.vllm_smoke.tensor_parallel_size=2: vLLM's workers share one node, which has executor.gpus_per_node=1"])
+    assert validate(capsys, "stages.vllm_smoke.tensor_parallel_size=2") == (0, [])
+
+
+def test_vllm_smoke_parallel_was_renamed(capsys, tmp_path):
+    """The stage has no borrowed ParallelConfig: the old key, on the command line or in YAML, is
+    refused with the new key's name."""
+    hint = "(vLLM's tensor parallelism is stages.vllm_smoke.tensor_parallel_size; the stage runs one launcher rank)"
+    rc, lines = validate(capsys, "stages.vllm_smoke.parallel.tp=2")
+    assert rc == 2 and lines[0].startswith("launch: unknown key 'stages.vllm_smoke.parallel.tp'; valid keys here: ") \
+        and "tensor_parallel_size" in lines[0] and lines[0].endswith(hint), lines
+    example = tmp_path / "megatron_lm_ptq.yaml"
+    text = open(os.path.join(ROOT, TINY)).read()
+    assert "\n  vllm_smoke:\n" in text
+    example.write_text(text.replace("\n  vllm_smoke:\n", "\n  vllm_smoke:\n    parallel: {tp: 2}\n"))
+    assert main(["validate", str(example)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("launch: unknown key 'stages.vllm_smoke.parallel'; valid keys here: ") \
+        and err.rstrip().endswith(hint), err
 
 
 def test_export_etp_above_1_is_refused(capsys):
@@ -172,7 +193,8 @@ def test_export_etp_above_1_is_refused(capsys):
 
 
 def test_dry_run_of_a_config_whose_disabled_stage_has_no_valid_grid(capsys):
-    rc = main([TINY, "--dry-run", "--json", "stages.vllm_smoke.enabled=false", "stages.vllm_smoke.parallel.tp=2"])
+    rc = main([TINY, "--dry-run", "--json", "stages.vllm_smoke.enabled=false",
+               "stages.vllm_smoke.tensor_parallel_size=3"])
     out, err = capsys.readouterr()
     assert rc == 0, err
     vllm = [s for s in json.loads(out)["stages"] if s["name"] == "vllm_smoke"][0]

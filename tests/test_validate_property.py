@@ -52,7 +52,7 @@ def _domain(cfg) -> dict[str, tuple]:
         dom[f"stages.{stage}.parallel.world_size"] = WORLDS
         dom[f"stages.{stage}.enabled"] = (True, True, True, False)
     dom.update({
-        "stages.vllm_smoke.parallel.tp": (1, 1, 2, 3),
+        "stages.vllm_smoke.tensor_parallel_size": (1, 1, 2, 3),
         "stages.vllm_smoke.enabled": (False, False, True),
         "stages.vllm_smoke.score_choices": (True, True, False),
         "stages.mmlu.shard_mode": ("auto", "balanced", "lockstep", "dense_dp"),

@@ -139,7 +139,8 @@ def _check_against_schema(cfg: DictConfig) -> None:
 
 def _explain_hydra_error(e: Exception) -> str:
     msg = str(e).split("\nConfig search path:")[0].strip()
-    unknown = re.search(r"Could not override '([\w.]+)'", msg) or re.search(r"Key '(\w+)' is not in struct", msg)
+    unknown = (re.search(r"Could not override '([\w.]+)'", msg) or re.search(r"Key '(\w+)' is not in struct", msg)
+               or re.search(r"Key '\w+' not in '\w+'\s+full_key: ([\w.]+)", msg))   # a YAML key the schema lacks
     if unknown:
         return _unknown_key_message(unknown.group(1))
     cause = e.__cause__ or e.__context__
@@ -164,6 +165,13 @@ ENV_HOWTO = ("env holds variables for every rank: add one with `+env.NAME=value`
              "(e.g. `export HF_TOKEN=...`): every rank inherits launch's environment")
 
 
+# keys that were renamed: what the unknown-key message says to use instead
+MOVED_KEYS = {
+    "stages.vllm_smoke.parallel": "vLLM's tensor parallelism is stages.vllm_smoke.tensor_parallel_size; "
+                                  "the stage runs one launcher rank",
+}
+
+
 def _unknown_key_message(dotted: str) -> str:
     """'stages.mmlu.bogus' -> which key is unknown and the valid keys at that level."""
     if dotted == "env" or dotted.startswith("env."):
@@ -176,7 +184,8 @@ def _unknown_key_message(dotted: str) -> str:
             break
         node = child
     valid = sorted(node.keys()) if isinstance(node, DictConfig) else []
-    return f"unknown key {dotted!r}; valid keys here: {', '.join(valid)}"
+    hint = next((h for k, h in MOVED_KEYS.items() if dotted == k or dotted.startswith(k + ".")), "")
+    return f"unknown key {dotted!r}; valid keys here: {', '.join(valid)}" + (f" ({hint})" if hint else "")
 
 
 def _complete_model_card(cfg: DictConfig) -> None:

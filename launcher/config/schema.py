@@ -162,7 +162,9 @@ class ExportStage:
 class VllmSmokeStage:
     enabled: bool = False
     disabled_reason: str = ""
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    # vLLM's own tensor parallelism: the stage is one launcher rank, and vLLM starts this many
+    # workers on that rank's node (one GPU each); vLLM has no pipeline or expert degree of ours
+    tensor_parallel_size: int = 1
     mode: VllmMode = VllmMode.server   # server | offline
     python: Optional[str] = None       # interpreter with vLLM (default: .venv-vllm, then this one)
     score_choices: bool = True         # score the gate's questions through vLLM, compare with mmlu/results.json

@@ -35,7 +35,10 @@ def is_hub_id(value: str) -> bool:
 
 
 def stage_dims(cfg: DictConfig, stage: str) -> ParallelDims:
-    """ParallelDims of a stage (world size defaulted to the smallest the degrees divide)."""
+    """ParallelDims of a stage (world size defaulted to the smallest the degrees divide); vllm_smoke
+    is one launcher rank (vLLM starts its own tensor-parallel workers)."""
+    if stage == "vllm_smoke":
+        return ParallelDims(world_size=1)
     p = cfg.stages[stage].parallel
     world = p.world_size or minimal_world_size(p.tp, p.pp, p.cp, p.ep, p.etp)
     return ParallelDims(world_size=world, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, etp=p.etp)
@@ -67,9 +70,9 @@ def validate(cfg: DictConfig, check_paths: bool = True) -> list[str]:
     if not enabled_stages(cfg):
         err.add("stages", "all disabled", "enable at least one of " + ", ".join(schema.STAGE_ORDER))
     for stage in enabled_stages(cfg):
-        if stage != "vllm_smoke":  # vLLM shards itself (tensor parallel only; KV heads replicate)
+        if stage != "vllm_smoke":  # vLLM shards itself: stages.vllm_smoke.tensor_parallel_size
             _check_parallel(cfg, stage, err)
-        _check_rank_grid(cfg, stage, err)
+            _check_rank_grid(cfg, stage, err)
     _check_quantize(cfg, err, warnings, check_paths)
     _check_mmlu(cfg, err, warnings, check_paths)
     _check_export(cfg, err)
@@ -385,6 +388,22 @@ def _check_export(cfg: DictConfig, err: _Errors) -> None:
                 "or use recipe=none")
 
 
+def _check_vllm_tensor_parallel(cfg: DictConfig, err: _Errors) -> None:
+    """vLLM splits attention heads over its tensor-parallel workers (KV heads replicate), all on the
+    one node that runs the stage's rank."""
+    tp, heads = cfg.stages.vllm_smoke.tensor_parallel_size, cfg.model.num_attention_heads
+    key = "stages.vllm_smoke.tensor_parallel_size"
+    if tp < 1:
+        err.add(key, tp, "must be >= 1")
+        return
+    if heads % tp:
+        err.add(key, tp, f"must divide model.num_attention_heads={heads} "
+                         f"(valid: {', '.join(str(d) for d in range(1, heads + 1) if heads % d == 0)})")
+    gpus = cfg.executor.gpus_per_node if cfg.executor.kind == "slurm" else 0
+    if gpus and tp > gpus:
+        err.add(key, tp, f"vLLM's workers share one node, which has executor.gpus_per_node={gpus}")
+
+
 def _check_vllm(cfg: DictConfig, err: _Errors, warnings: list[str], check_paths: bool) -> None:
     v = cfg.stages.vllm_smoke
     key = "stages.vllm_smoke"
@@ -414,9 +433,7 @@ def _check_vllm(cfg: DictConfig, err: _Errors, warnings: list[str], check_paths:
                 "nothing to check with score_choices=false: give a jsonl of generation checks")
     if v.prompts:
         _check_path(str(v.prompts), f"{key}.prompts", err, warnings, check_paths, hub_ok=False)
-    if cfg.model.num_attention_heads % v.parallel.tp:
-        err.add("stages.vllm_smoke.parallel.tp", v.parallel.tp,
-                f"must divide model.num_attention_heads={cfg.model.num_attention_heads}")
+    _check_vllm_tensor_parallel(cfg, err)
     if not cfg.stages.export.enabled and not v.model_dir:
         err.add("stages.vllm_smoke.enabled", True,
                 "serves stages.export's checkpoint: enable stages.export or set stages.vllm_smoke.model_dir")

@@ -1,7 +1,7 @@
 """vLLM smoke stage: serve the export with vLLM and check that it answers as the gate's model did.
 
-Rank 0 does the work (run the stage with one process: vLLM spawns its own tensor-parallel
-workers from ``parallel.tp``).  Steps:
+The stage is one launcher rank; vLLM spawns its own tensor-parallel workers
+(``tensor_parallel_size``).  Steps:
   1. the export: <run_dir>/export/<stages.export.name>/ (an HF checkpoint), or ``model_dir``;
   2. capability check (unless ``force``): the export's quantization vs. what vLLM offers in the
      chosen interpreter (``launcher.vllm.capability``).  Unsupported -> ``on_unsupported``:
@@ -202,7 +202,7 @@ def _backend(ctx: StageContext, model_dir: str, python: str, device: str) -> Bac
     sc = ctx.stage_cfg
     return BACKENDS[sc.mode](python=python, model_dir=model_dir,
                              log_path=ctx.layout.log(ctx.name), work_dir=ctx.stage_dir,
-                             tp=int(sc.parallel.tp), extra_args=[str(a) for a in sc.extra_args],
+                             tp=int(sc.tensor_parallel_size), extra_args=[str(a) for a in sc.extra_args],
                              device=device, startup_timeout_s=float(sc.startup_timeout_s),
                              request_timeout_s=float(sc.request_timeout_s), log=ctx.log)
 
@@ -254,7 +254,7 @@ def run(ctx: StageContext) -> None:
                 max_tokens=int(sc.max_tokens))
     backend = _backend(ctx, model_dir, cap["python"], device)
     ctx.log(f"{sc.mode}: {len(work.score_prompts)} gate questions ({sc.scoring}), "
-            f"{len(work.gen_prompts)} generation checks, tp={sc.parallel.tp}, log {backend.log_path}")
+            f"{len(work.gen_prompts)} generation checks, tp={sc.tensor_parallel_size}, log {backend.log_path}")
     try:
         with _sigterm_as_exit():
             replies = backend.run(work)
