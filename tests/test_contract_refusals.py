@@ -10,6 +10,7 @@ import pytest
 
 from conftest import ROOT
 from launcher.cli import main
+from launcher.config.schema import RecipeConfig
 
 TINY = "examples/tiny/Qwen3-MoE-tiny/megatron_lm_ptq.yaml"
 NANO = "examples/nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16/megatron_lm_ptq.yaml"
@@ -41,7 +42,7 @@ def test_the_quantize_stage_refuses_the_same_formats_from_the_same_table():
     from launcher.quant.recipes import validate_recipe
 
     with pytest.raises(ValueError) as e:
-        validate_recipe({"name": "int8", "format": "int8_sq", "modelopt_cfg": "INT8_SMOOTHQUANT_CFG"})
+        validate_recipe(RecipeConfig(name="int8", format="int8_sq", modelopt_cfg="INT8_SMOOTHQUANT_CFG"))
     assert str(e.value) == ("recipe 'int8': format='int8_sq' is not supported end to end: the quantize stage has "
                             f"no recipe check for it (INT8 SmoothQuant) and {NO_VERIFIER}; valid values: nvfp4, fp8, none")
 

@@ -58,10 +58,11 @@ def make_exports_worker(src: str, out: str) -> dict:
     import yaml
 
     from launcher.config.compose import REPO_ROOT
+    from launcher.config.schema import RecipeConfig
     from launcher.quant.recipes import resolve_quant_cfg
 
     with open(os.path.join(REPO_ROOT, "recipes", "nvfp4_mlp_weight_only.yaml")) as f:
-        cfg = resolve_quant_cfg(yaml.safe_load(f))
+        cfg = resolve_quant_cfg(RecipeConfig(**yaml.safe_load(f)))
     model = build_model(src, dims, "cpu", "bfloat16")
     import_hf_weights(model, src, "bfloat16")
     mtq.quantize(unwrap_model(model), cfg, lambda _m: [forward_logits(model, b) for b in batches])

@@ -92,6 +92,7 @@ def test_cpu_nvfp4_path_matches_gpu_kernel(tiny_moe):
 def gpu_quantize_worker(hf_path: str, cfg_names: list[str]) -> dict:
     import modelopt.torch.quantization as mtq
 
+    from launcher.config.schema import RecipeConfig
     from launcher.megatron.dist import init_distributed, shutdown
     from launcher.megatron.forward import forward_logits
     from launcher.megatron.hf_io import import_hf_weights
@@ -110,8 +111,8 @@ def gpu_quantize_worker(hf_path: str, cfg_names: list[str]) -> dict:
         model = build_model(hf_path, dims, "cuda", "bfloat16", "alltoall")
         import_hf_weights(model, hf_path, "bfloat16")
         reference = forward_logits(model, tokens)
-        cfg = resolve_quant_cfg({"name": name, "format": "nvfp4" if "NVFP4" in name else "fp8",
-                                 "modelopt_cfg": name})
+        cfg = resolve_quant_cfg(RecipeConfig(name=name, format="nvfp4" if "NVFP4" in name else "fp8",
+                                             modelopt_cfg=name))
         mtq.quantize(unwrap_model(model), cfg, lambda _: [forward_logits(model, b) for b in calib])
         logits = forward_logits(model, tokens)
         summary = gather_summary(model)

@@ -204,8 +204,8 @@ def test_recipes_resolve_and_reject():
         loaded[name] = resolve_quant_cfg(recipe)
     assert loaded["none"] is None
     assert all(isinstance(loaded[n]["quant_cfg"], list) for n in loaded if n != "none")
-    with_excl = resolve_quant_cfg({"name": "x", "format": "nvfp4", "modelopt_cfg": "NVFP4_DEFAULT_CFG",
-                                   "exclude_modules": ["*experts*"]})
+    with_excl = resolve_quant_cfg(RecipeConfig(name="x", format="nvfp4", modelopt_cfg="NVFP4_DEFAULT_CFG",
+                                               exclude_modules=["*experts*"]))
     assert with_excl["quant_cfg"][-1] == {"quantizer_name": "*experts*", "enable": False}
     from launcher.quant.recipes import check_recipe_layout
 
@@ -214,11 +214,11 @@ def test_recipes_resolve_and_reject():
     check_recipe_layout(loaded["nvfp4_awq_lite"], ep=1)
     check_recipe_layout(loaded["nvfp4_default"], ep=8)
     with pytest.raises(ValueError, match="NVFP4_DEFAULT_CFG"):   # lists the valid names
-        resolve_quant_cfg({"name": "x", "format": "nvfp4", "modelopt_cfg": "NVFP5_CFG"})
+        resolve_quant_cfg(RecipeConfig(name="x", format="nvfp4", modelopt_cfg="NVFP5_CFG"))
     with pytest.raises(ValueError, match="exactly one"):
-        resolve_quant_cfg({"name": "x", "format": "fp8", "modelopt_cfg": None, "recipe_path": None})
+        resolve_quant_cfg(RecipeConfig(name="x", format="fp8", modelopt_cfg=None, recipe_path=None))
     with pytest.raises(ValueError, match="valid values"):
-        resolve_quant_cfg({"name": "x", "format": "fp9", "modelopt_cfg": "FP8_DEFAULT_CFG"})
+        resolve_quant_cfg(RecipeConfig(name="x", format="fp9", modelopt_cfg="FP8_DEFAULT_CFG"))
 
 
 def test_calibration_sources_give_identical_batches(tmp_path):

@@ -3,6 +3,7 @@ rule) agrees with the algorithm of the config ModelOpt itself resolves, for ever
 config it can read and every built-in PTQ recipe."""
 import os
 
+from launcher.config.schema import RecipeConfig
 from launcher.quant.recipes import (
     EP_UNSAFE_ALGORITHMS, _load_named, _load_recipe_yaml, calibration_algorithm, declared_algorithm,
     named_modelopt_configs)
@@ -11,7 +12,7 @@ from launcher.quant.recipes import (
 def test_declared_algorithm_of_named_configs_agrees_with_modelopt():
     read = 0
     for name in named_modelopt_configs():
-        known, algorithm = declared_algorithm({"format": "nvfp4", "modelopt_cfg": name})
+        known, algorithm = declared_algorithm(RecipeConfig(format="nvfp4", modelopt_cfg=name))
         real = calibration_algorithm(_load_named(name))
         if real in EP_UNSAFE_ALGORITHMS:
             assert known, f"{name} calibrates with {real} but validate cannot read it"
@@ -29,7 +30,7 @@ def test_declared_algorithm_of_builtin_recipes_agrees_with_modelopt():
     assert names
     for name in names:
         path = f"general/ptq/{name}"
-        known, algorithm = declared_algorithm({"format": "nvfp4", "recipe_path": path})
+        known, algorithm = declared_algorithm(RecipeConfig(format="nvfp4", recipe_path=path))
         assert known, path
         assert algorithm == calibration_algorithm(_load_recipe_yaml(path)), path
 
@@ -37,6 +38,6 @@ def test_declared_algorithm_of_builtin_recipes_agrees_with_modelopt():
 def test_declared_algorithm_of_a_local_recipe_file(tmp_path):
     f = tmp_path / "r.yaml"
     f.write_text("metadata: {recipe_type: ptq}\nquantize:\n  algorithm: {method: awq_lite}\n  quant_cfg: []\n")
-    assert declared_algorithm({"format": "nvfp4", "recipe_path": str(f)}) == (True, "awq_lite")
-    assert declared_algorithm({"format": "none"}) == (True, None)
-    assert declared_algorithm({"format": "fp8", "modelopt_cfg": "NO_SUCH_CFG"}) == (False, None)
+    assert declared_algorithm(RecipeConfig(format="nvfp4", recipe_path=str(f))) == (True, "awq_lite")
+    assert declared_algorithm(RecipeConfig(format="none")) == (True, None)
+    assert declared_algorithm(RecipeConfig(format="fp8", modelopt_cfg="NO_SUCH_CFG")) == (False, None)

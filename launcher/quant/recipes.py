@@ -10,22 +10,17 @@ from __future__ import annotations
 
 import copy
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from launcher.formats import CARRIED as FORMATS, format_problem   # the one format table
 
-
-def _get(recipe, key: str, default=None):
-    if isinstance(recipe, dict):
-        return recipe.get(key, default)
-    return getattr(recipe, key, default)
+if TYPE_CHECKING:   # the dataclass, or a DictConfig merged onto it (the composed config's recipe)
+    from launcher.config.schema import RecipeConfig
 
 
-def validate_recipe(recipe) -> None:
+def validate_recipe(recipe: RecipeConfig) -> None:
     """Structural checks that need no torch (the CLI's validation can call this)."""
-    name = _get(recipe, "name")
-    fmt = _get(recipe, "format")
-    cfg_name, path = _get(recipe, "modelopt_cfg"), _get(recipe, "recipe_path")
+    name, fmt, cfg_name, path = recipe.name, recipe.format, recipe.modelopt_cfg, recipe.recipe_path
     problem = format_problem(fmt)
     if problem:
         raise ValueError(f"recipe {name!r}: format={fmt!r} is {problem}")
@@ -37,7 +32,7 @@ def validate_recipe(recipe) -> None:
     if bool(cfg_name) == bool(path):
         raise ValueError(f"recipe {name!r}: set exactly one of modelopt_cfg and recipe_path "
                          f"(got modelopt_cfg={cfg_name!r}, recipe_path={path!r})")
-    for pattern in _get(recipe, "exclude_modules") or []:
+    for pattern in recipe.exclude_modules:
         if not isinstance(pattern, str) or not pattern:
             raise ValueError(f"recipe {name!r}: exclude_modules entries must be non-empty strings, got {pattern!r}")
 
@@ -81,19 +76,19 @@ def exclusion_entries(patterns: list[str]) -> list[dict[str, Any]]:
     return entries
 
 
-def resolve_quant_cfg(recipe, base_dir: str | None = None) -> dict[str, Any] | None:
+def resolve_quant_cfg(recipe: RecipeConfig, base_dir: str | None = None) -> dict[str, Any] | None:
     """The ModelOpt config for ``recipe`` (None for format 'none'). Raises ValueError when invalid."""
     validate_recipe(recipe)
-    if _get(recipe, "format") == "none":
+    if recipe.format == "none":
         return None
-    cfg_name, path = _get(recipe, "modelopt_cfg"), _get(recipe, "recipe_path")
+    cfg_name, path = recipe.modelopt_cfg, recipe.recipe_path
     if cfg_name:
         cfg = _load_named(cfg_name)
     else:
         if base_dir and not os.path.isabs(path) and os.path.exists(os.path.join(base_dir, path)):
             path = os.path.join(base_dir, path)
         cfg = _load_recipe_yaml(path)
-    excludes = list(_get(recipe, "exclude_modules") or [])
+    excludes = list(recipe.exclude_modules)
     if excludes:
         quant_cfg = cfg.get("quant_cfg")
         if isinstance(quant_cfg, list):
@@ -102,7 +97,7 @@ def resolve_quant_cfg(recipe, base_dir: str | None = None) -> dict[str, Any] | N
             cfg["quant_cfg"] = {**quant_cfg, **{e["quantizer_name"]: {"enable": False}
                                                 for e in exclusion_entries(excludes)}}
         else:
-            raise ValueError(f"recipe {_get(recipe, 'name')!r}: its ModelOpt config has no quant_cfg to "
+            raise ValueError(f"recipe {recipe.name!r}: its ModelOpt config has no quant_cfg to "
                              "apply exclude_modules to")
     return cfg
 
@@ -135,16 +130,16 @@ def calibration_algorithm(cfg: dict[str, Any] | None) -> str | None:
     return str(algo) if algo is not None else None
 
 
-def declared_algorithm(recipe) -> tuple[bool, str | None]:
+def declared_algorithm(recipe: RecipeConfig) -> tuple[bool, str | None]:
     """The recipe's calibration algorithm read from YAML alone (no torch): (known, algorithm).
 
     A named ModelOpt config (``NVFP4_AWQ_LITE_CFG``) is read from the preset ModelOpt ships for it
     (modelopt_recipes/configs/ptq/presets/model/nvfp4_awq_lite.yaml); a recipe YAML from its
     ``quantize`` section, following one ``$import``.  ``known`` is False when neither can be read:
     the quantize stage then decides with the resolved config (check_recipe_layout)."""
-    if _get(recipe, "format") == "none":
+    if recipe.format == "none":
         return True, None
-    cfg_name, path = _get(recipe, "modelopt_cfg"), _get(recipe, "recipe_path")
+    cfg_name, path = recipe.modelopt_cfg, recipe.recipe_path
     if cfg_name:
         section = _recipes_yaml(f"configs/ptq/presets/model/{str(cfg_name).lower().removesuffix('_cfg')}")
     else:
