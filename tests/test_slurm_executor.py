@@ -13,12 +13,14 @@ import sys
 import time
 
 import pytest
+from omegaconf import OmegaConf
 
 try:  # tests/ on sys.path (pytest's default rootdir-relative import) or tests as a package
     from slurm_cluster import slurm_cluster  # noqa: F401
 except ImportError:  # pragma: no cover
     from tests.slurm_cluster import slurm_cluster  # noqa: F401
 
+from launcher.config.schema import SlurmExecutorConfig
 from launcher.executors.base import StagePlan
 from launcher.executors.slurm import SlurmError, SlurmExecutor
 
@@ -199,7 +201,7 @@ def test_timeout_is_reported(slurm_cluster, timeout_job):
 
 def test_missing_sbatch_says_what_to_do(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))               # no Slurm client on PATH
-    ex = SlurmExecutor({"poll_interval_s": 1}, str(tmp_path / "run"))
+    ex = SlurmExecutor(OmegaConf.structured(SlurmExecutorConfig(poll_interval_s=1)), str(tmp_path / "run"))
     with pytest.raises(SlurmError, match=r"`sbatch` not found .*slurm-client.*executor=local"):
         ex.submit([plan(str(tmp_path / "run"), "quantize", "print(1)")])
 

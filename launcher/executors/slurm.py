@@ -25,7 +25,7 @@ import shutil
 import subprocess
 import sys
 import time
-from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, Sequence
 
 from launcher.contract import EXIT_REASONS, JobState, RunLayout, StageStatus, write_json_atomic
 from launcher.executors.base import Progress, StagePlan, StageResult
@@ -40,6 +40,9 @@ from launcher.executors.slurm_state import (
     parse_sbatch_parsable,
     parse_scontrol_jobs,
 )
+
+if TYPE_CHECKING:   # a DictConfig merged onto it (compose, the worker) or the dataclass
+    from launcher.config.schema import SlurmExecutorConfig
 
 INSTALL_HINT = ("install the Slurm client tools (Debian/Ubuntu: `apt-get install slurm-client`, or "
                 "`module load slurm` on your cluster) or run with executor=local")
@@ -77,12 +80,6 @@ def _run(argv: list[str], env: Optional[dict[str, str]] = None, timeout: float =
         raise SlurmError(f"`{argv[0]}` not found: {INSTALL_HINT}") from None
     except subprocess.TimeoutExpired as e:
         raise SlurmError(f"`{' '.join(argv)}` did not answer within {timeout:.0f} s") from e
-
-
-def _get(cfg: Any, key: str, default: Any = None) -> Any:
-    if isinstance(cfg, dict):
-        return cfg.get(key, default)
-    return getattr(cfg, key, default)
 
 
 def query_jobs(job_ids: Iterable[str]) -> dict[str, Optional[JobInfo]]:
@@ -134,13 +131,13 @@ class SlurmExecutor:
 
     chains_failures = True   # afterok dependencies: Slurm cancels what comes after a failed stage
 
-    def __init__(self, cfg: Any, run_dir: str, echo: Optional[Callable[[str], None]] = None):
+    def __init__(self, cfg: SlurmExecutorConfig, run_dir: str, echo: Optional[Callable[[str], None]] = None):
         self.cfg = cfg
         self.run_dir = os.path.abspath(run_dir)
         self.slurm_dir = RunLayout(self.run_dir).slurm_dir
         self.jobs_path = RunLayout(self.run_dir).slurm_jobs
         self.echo = echo if echo is not None else (lambda line: print(line, flush=True))
-        self.poll_interval_s = float(_get(cfg, "poll_interval_s", 2.0) or 2.0)
+        self.poll_interval_s = float(cfg.poll_interval_s)
         self._record: Optional[dict] = None
         self._job_ids: list[str] = []
         self.detached = False
@@ -178,7 +175,7 @@ class SlurmExecutor:
     # ------------------------------------------------------------------ helpers for the pipeline
     def worker_argv(self, stage: str) -> list[str]:
         """What every rank of ``stage`` runs inside the allocation (executor.python, not this one)."""
-        return [str(_get(self.cfg, "python", "python") or "python"), "-m", "launcher.worker", stage, self.run_dir]
+        return [str(self.cfg.python), "-m", "launcher.worker", stage, self.run_dir]
 
     # ------------------------------------------------------------------ submit
     def submit(self, plans: list[StagePlan]) -> list[str]:

@@ -31,11 +31,14 @@ from __future__ import annotations
 import os
 import re
 import shlex
-from typing import Any, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Mapping, Optional, Sequence
 
 from launcher.executors.base import StagePlan
 from launcher.executors.slurm_env import DERIVED_PORT_BASE, DERIVED_PORT_SPAN
 from launcher.contract import split_secrets  # one rule for what is a secret: config.yaml masks the same names
+
+if TYPE_CHECKING:   # a DictConfig merged onto it (compose, the worker) or the dataclass
+    from launcher.config.schema import SlurmExecutorConfig
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _TIME = re.compile(r"^((\d+-)?\d+(:\d{1,2}){0,2}|UNLIMITED|INFINITE)$", re.IGNORECASE)
@@ -51,10 +54,10 @@ class ScriptError(ValueError):
     """A config value that cannot make a valid sbatch script; the message names the key."""
 
 
-def stage_env(plan: StagePlan, cfg: Any) -> dict[str, str]:
+def stage_env(plan: StagePlan, cfg: SlurmExecutorConfig) -> dict[str, str]:
     """Environment of every rank of the stage: executor.env, then the plan's env (wins)."""
     env: dict[str, str] = {}
-    for source in (_get(cfg, "env", {}) or {}, plan.env or {}):
+    for source in (cfg.env, plan.env):
         for k, v in dict(source).items():
             if not _ENV_NAME.match(str(k)):
                 raise ScriptError(f"env: {k!r} is not a valid environment variable name")
@@ -76,20 +79,14 @@ def default_job_name(plan: StagePlan, run_dir: str) -> str:
     return ".".join(parts)
 
 
-def _get(cfg: Any, key: str, default: Any = None) -> Any:
-    if isinstance(cfg, Mapping):
-        return cfg.get(key, default)
-    return getattr(cfg, key, default)
-
-
 def stage_nodes(world_size: int, nodes: int) -> int:
     """Nodes a stage runs on: executor.nodes, or one per rank when the stage has fewer ranks than
     that (vllm_smoke's single server rank runs on one node of a two-node pipeline)."""
     return max(1, min(nodes, world_size))
 
 
-def tasks_per_node(plan: StagePlan, cfg: Any) -> int:
-    nodes = int(_get(cfg, "nodes", 1) or 1)
+def tasks_per_node(plan: StagePlan, cfg: SlurmExecutorConfig) -> int:
+    nodes = int(cfg.nodes)
     if nodes < 1:
         raise ScriptError(f"executor.nodes must be >= 1, got {nodes}")
     if plan.world_size < 1:
@@ -101,7 +98,7 @@ def tasks_per_node(plan: StagePlan, cfg: Any) -> int:
             f"executor.nodes={nodes}; valid node counts: "
             f"{[n for n in range(1, plan.world_size + 1) if plan.world_size % n == 0]}")
     ntpn = plan.world_size // nodes
-    gpus = int(_get(cfg, "gpus_per_node", 0) or 0)
+    gpus = int(cfg.gpus_per_node)
     if gpus and ntpn > gpus:
         raise ScriptError(
             f"stage {plan.name}: {ntpn} ranks per node (world {plan.world_size} / executor.nodes={nodes}) "
@@ -110,11 +107,11 @@ def tasks_per_node(plan: StagePlan, cfg: Any) -> int:
     return ntpn
 
 
-def render_sbatch(plan: StagePlan, cfg: Any, run_dir: str, job_name: Optional[str] = None) -> str:
+def render_sbatch(plan: StagePlan, cfg: SlurmExecutorConfig, run_dir: str, job_name: Optional[str] = None) -> str:
     """The sbatch script of one stage (text, ends with a newline)."""
     ntpn = tasks_per_node(plan, cfg)
     nodes = plan.world_size // ntpn
-    time_limit = str(_get(cfg, "time", "") or "")
+    time_limit = str(cfg.time or "")
     if not valid_time(time_limit):
         raise ScriptError(f"executor.time={time_limit!r}: use {TIME_SYNTAX}")
     if not plan.argv:
@@ -128,24 +125,25 @@ def render_sbatch(plan: StagePlan, cfg: Any, run_dir: str, job_name: Optional[st
         f"--nodes={nodes}",
         f"--ntasks-per-node={ntpn}",
     ]
-    gpus = int(_get(cfg, "gpus_per_node", 0) or 0)
+    gpus = int(cfg.gpus_per_node)
     if gpus:
         sb.append(f"--gpus-per-node={gpus}")
-    if _get(cfg, "cpus_per_task"):
-        sb.append(f"--cpus-per-task={int(_get(cfg, 'cpus_per_task'))}")
-    if _get(cfg, "mem"):
-        sb.append(f"--mem={_get(cfg, 'mem')}")
+    if cfg.cpus_per_task:
+        sb.append(f"--cpus-per-task={int(cfg.cpus_per_task)}")
+    if cfg.mem:
+        sb.append(f"--mem={cfg.mem}")
     if time_limit:
         sb.append(f"--time={time_limit}")
     for key in ("partition", "account", "qos"):
-        if _get(cfg, key):
-            sb.append(f"--{key}={_get(cfg, key)}")
+        value = getattr(cfg, key)
+        if value:
+            sb.append(f"--{key}={value}")
     # a node failure must end the stage (NODE_FAIL, reported; `launch --resume` reruns it), not put
     # the job back in the queue to rerun unseen when the node returns (Slurm requeues batch jobs
     # by default); a site that wants that passes --requeue in sbatch_args, which comes later and wins
     sb.append("--no-requeue")
     # site-specific flags (--constraint=..., --reservation=..., --exclusive): executor.sbatch_args
-    sb += [str(a) for a in (_get(cfg, "sbatch_args", []) or [])]
+    sb += [str(a) for a in cfg.sbatch_args]
     sb += [
         f"--output={plan.log_path}",
         f"--error={plan.log_path}",
@@ -156,19 +154,19 @@ def render_sbatch(plan: StagePlan, cfg: Any, run_dir: str, job_name: Optional[st
     lines += ["", "set -e"]
 
     env = stage_env(plan, cfg)
-    env.setdefault("OMP_NUM_THREADS", str(_get(cfg, "omp_num_threads", 1)))
+    env.setdefault("OMP_NUM_THREADS", str(cfg.omp_num_threads))
     env.setdefault("PYTHONUNBUFFERED", "1")
     public, secret = split_secret_env(env)
     lines += [f"export {k}={q(v)}" for k, v in public.items()]
     for k in secret:
         lines.append(f"# {k}: secret, passed through sbatch's environment (not written here)")
 
-    setup = list(_get(cfg, "setup", []) or [])
+    setup = list(cfg.setup)
     if setup:
         lines += ["", "# setup (executor.setup)"]
         lines += [str(s) for s in setup]
 
-    port = int(_get(cfg, "master_port", 0) or 0)
+    port = int(cfg.master_port)
     port_expr = str(port) if port else f"$(( {DERIVED_PORT_BASE} + SLURM_JOB_ID % {DERIVED_PORT_SPAN} ))"
     lines += [
         "",
@@ -180,11 +178,11 @@ def render_sbatch(plan: StagePlan, cfg: Any, run_dir: str, job_name: Optional[st
     ]
 
     srun = ["srun", f"--ntasks={plan.world_size}", f"--ntasks-per-node={ntpn}", "--kill-on-bad-exit=1"]
-    srun += [str(a) for a in (_get(cfg, "srun_args", []) or [])]   # executor.srun_args, e.g. --mpi=pmix
-    image = _get(cfg, "container_image")
+    srun += [str(a) for a in cfg.srun_args]   # executor.srun_args, e.g. --mpi=pmix
+    image = cfg.container_image
     if image:
         srun.append(f"--container-image={q(str(image))}")
-        mounts = list(_get(cfg, "container_mounts", []) or [])
+        mounts = list(cfg.container_mounts)
         if mounts:
             srun.append(f"--container-mounts={q(','.join(str(m) for m in mounts))}")
     # srun flags on one line, the command on the next: still one shell command
