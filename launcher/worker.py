@@ -12,7 +12,7 @@ import sys
 import time
 import traceback
 
-from launcher.contract import ExitCode, RunLayout, StageFailed
+from launcher.contract import ExitCode, RunLayout, StageFailed, StageName
 
 
 def choose_device(requested: str, local_world: int) -> str:
@@ -47,13 +47,12 @@ def main(argv: list[str]) -> int:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29500")
 
-    from omegaconf import OmegaConf
-
+    from launcher.config.compose import load_run_config
     from launcher.config.validate import stage_dims
     from launcher.stages import registry
     from launcher.stages.context import StageContext
 
-    cfg = OmegaConf.load(RunLayout(run_dir).config_yaml)
+    cfg = load_run_config(RunLayout(run_dir).config_yaml)
     dims = stage_dims(cfg, stage)
     if world != dims.world_size:
         print(f"[{stage} r{rank}] started with WORLD_SIZE={world} but the stage's plan (stages.{stage}) needs "
@@ -61,7 +60,9 @@ def main(argv: list[str]) -> int:
         return ExitCode.PREFLIGHT
     local_world = env["local_world_size"]
     device = choose_device(cfg.executor.device, local_world)
-    timeout_s = float(cfg.stages[stage].get("collective_timeout_s") or cfg.executor.collective_timeout_s)
+    # the gate has its own (short) timeout for its guard and collectives; every other stage the executor's
+    timeout_s = float((cfg.stages.mmlu.collective_timeout_s if stage == StageName.MMLU else None)
+                      or cfg.executor.collective_timeout_s)
     ctx = StageContext(name=stage, cfg=cfg, run_dir=run_dir, rank=rank, world_size=world,
                        local_rank=local_rank, dims=dims, device=device)
     t0 = time.time()

@@ -119,22 +119,35 @@ def compose_example(path: str, overrides: Sequence[str] = ()) -> DictConfig:
 
 def _check_against_schema(cfg: DictConfig) -> None:
     """Re-merge onto the dataclasses: catches keys added with '+key=...' overrides too."""
+    typed_config(OmegaConf.to_container(cfg, resolve=True))
+
+
+def typed_config(data: dict) -> DictConfig:
+    """A resolved config's plain mapping (the run directory's config.yaml) as the schema's typed
+    config: PipelineConfig with the executor merged onto its kind's dataclass, Enum fields as
+    Enums, every key the schema has present.  ConfigError names an unknown or invalid key."""
     from omegaconf.errors import OmegaConfBaseException
 
-    data = OmegaConf.to_container(cfg, resolve=True)
+    data = dict(data)
     executor = data.pop("executor", None) or {}
     try:
-        OmegaConf.merge(OmegaConf.structured(schema.PipelineConfig), data)
+        cfg = OmegaConf.merge(OmegaConf.structured(schema.PipelineConfig), data)
     except OmegaConfBaseException as e:
         raise ConfigError(_unknown_key_message(e.full_key) if "not in" in str(e) else str(e)) from e
     kind = executor.get("kind")
     if kind not in EXECUTOR_SCHEMAS:
         raise ConfigError(f"executor.kind={kind!r}: valid: {', '.join(sorted(EXECUTOR_SCHEMAS))}")
     try:
-        OmegaConf.merge(OmegaConf.structured(EXECUTOR_SCHEMAS[kind]), executor)
+        cfg.executor = OmegaConf.merge(OmegaConf.structured(EXECUTOR_SCHEMAS[kind]), executor)
     except OmegaConfBaseException as e:
         valid = ", ".join(sorted(OmegaConf.structured(EXECUTOR_SCHEMAS[kind]).keys()))
         raise ConfigError(f"unknown or invalid key 'executor.{e.key}' for executor kind {kind!r}; valid keys: {valid}") from e
+    return cfg
+
+
+def load_run_config(path: str) -> DictConfig:
+    """config.yaml of a run directory, typed (``typed_config``): what every stage rank reads."""
+    return typed_config(OmegaConf.to_container(OmegaConf.load(path), resolve=True))
 
 
 def _explain_hydra_error(e: Exception) -> str:

@@ -119,7 +119,7 @@ def _baseline_lookup(ctx: StageContext, prepared: Prepared, dtype: str) -> dict:
         t = time.time()
         try:
             found = baseline_cache.lookup(
-                baseline_cache.resolve_dir(scfg.get("baseline_cache_dir")), ctx.cfg.model.path,
+                baseline_cache.resolve_dir(scfg.baseline_cache_dir), ctx.cfg.model.path,
                 [p.text for p in prepared.prompts], prepared.token_ids, scfg.few_shots, scfg.add_bos,
                 str(resolve_dtype(dtype, ctx.device)).replace("torch.", ""))
             info = {"hit": found.hit, "path": found.path, "key": found.key, "miss": found.miss_reason,
@@ -178,7 +178,7 @@ def run(ctx: StageContext) -> None:
     t0 = time.time()
     from launcher.config.compose import cache_dir
 
-    tokenizer = load_tokenizer(cfg.model.path, bool(cfg.model.get("trust_remote_code", False)))
+    tokenizer = load_tokenizer(cfg.model.path, bool(cfg.model.trust_remote_code))
     prepared = prepare(scfg, tokenizer, batch_limits(scfg, ctx.device, cfg.model.path), cache_dir())
     timings["prepare_s"] = time.time() - t0
     if prepared.token_cache.get("error"):
@@ -191,10 +191,10 @@ def run(ctx: StageContext) -> None:
             f"token cache {prepared.token_cache.get('cache')}")
 
     t = time.time()
-    dtype = cfg.stages.quantize.get("dtype", "bfloat16")
+    dtype = cfg.stages.quantize.dtype
     cached = _baseline_lookup(ctx, prepared, dtype) if scfg.baseline in gate_mod.PER_QUESTION_BASELINES else None
     model = build_model(cfg.model.path, ctx.dims, ctx.device, dtype, scfg.moe_dispatcher,
-                        bool(cfg.model.get("trust_remote_code", False)), eval_kernels=ctx.device == "cuda")
+                        bool(cfg.model.trust_remote_code), eval_kernels=ctx.device == "cuda")
     quantized = bool(cfg.stages.quantize.enabled)
     evaluate_base = scfg.baseline == "evaluate" and not cached["hit"]
     if not quantized or evaluate_base:

@@ -163,7 +163,7 @@ def _inputs(ctx: StageContext, model_dir: str) -> tuple[Optional[GateSet], Optio
     from launcher.mmlu.prepared import load_tokenizer
 
     sc, cfg = ctx.stage_cfg, ctx.cfg
-    trust = bool(cfg.model.get("trust_remote_code", False))
+    trust = bool(cfg.model.trust_remote_code)
     gate = checks = None
     try:
         if sc.score_choices:

@@ -55,9 +55,9 @@ def load_gate_set(results_path: str, mmlu_cfg, tokenizer, n: int) -> GateSet:
 
     doc = read_results(results_path)
     for key in _SETTINGS:
-        if key in doc and doc[key] != _plain(mmlu_cfg.get(key)):
+        if key in doc and doc[key] != _plain(mmlu_cfg[key]):
             raise GateMismatch(f"{results_path} was made with stages.mmlu.{key}={doc[key]!r} but the "
-                               f"config now says {mmlu_cfg.get(key)!r}: rerun stages.mmlu")
+                               f"config now says {mmlu_cfg[key]!r}: rerun stages.mmlu")
     prepared = prepare(mmlu_cfg, tokenizer)
     entries = doc["questions"]
     ours = [(p.question.subject, p.question.index) for p in prepared.prompts]
