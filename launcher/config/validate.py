@@ -398,7 +398,7 @@ def _check_vllm_tensor_parallel(cfg: DictConfig, err: _Errors) -> None:
         return
     if heads % tp:
         err.add(key, tp, f"must divide model.num_attention_heads={heads} "
-                         f"(valid: {', '.join(str(d) for d in range(1, heads + 1) if heads % d == 0)})")
+                         f"(valid: {', '.join(map(str, divisors(heads)))})")
     gpus = cfg.executor.gpus_per_node if cfg.executor.kind == "slurm" else 0
     if gpus and tp > gpus:
         err.add(key, tp, f"vLLM's workers share one node, which has executor.gpus_per_node={gpus}")
