@@ -261,8 +261,9 @@ def test_validate_refuses_nodes_that_do_not_split_a_stage():
     assert "4 ranks, which do not split evenly over 3 nodes (valid: 1, 2, 4)" in lines[0]
 
 
-# stage log of CI run 2026-12-03 (two nodes; rank 3 on node02 SIGKILLed mid-gate): the surviving ranks
-# fail on the broken connection and srun reports task 2's exit before task 3's kill
+# a stage log rebuilt from what CI run 2026-12-03 printed (two nodes; rank 3 on node02 SIGKILLed
+# mid-gate; gloo paths shortened, the progress line added): the surviving ranks fail on the broken
+# connection and srun reports task 2's exit before task 3's kill
 KILLED_RANK_LOG = """\
 [mmlu r0 08:52:37] quantized: step 2/5
 [mmlu r0] STAGE FAILED with an exception: RuntimeError: [gloo/transport/tcp/pair.cc:537] Read error [10.213.0.12]:58528: Connection reset by peer. This is typically caused by a remote worker hanging
