@@ -16,10 +16,13 @@ from launcher.contract import ExitCode, RunLayout, StageFailed, StageName
 
 
 def choose_device(requested: str, local_world: int) -> str:
+    if requested == "cpu":
+        # CPU ranks never see a GPU (the executors start them so too): the CPU shims refuse a
+        # process where CUDA is visible, and torch must not initialise CUDA behind their back.
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        return "cpu"
     import torch
 
-    if requested == "cpu":
-        return "cpu"
     has_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= local_world
     if requested == "cuda" and not has_cuda:
         raise RuntimeError(f"executor.device=cuda but this node has {torch.cuda.device_count()} GPU(s) for "
@@ -73,7 +76,8 @@ def main(argv: list[str]) -> int:
     from launcher.preflight import PreflightError, run_preflight
 
     try:
-        mdist.init_distributed(dims, device, max(timeout_s, float(cfg.executor.collective_timeout_s)), cfg.seed)
+        mdist.init_distributed(dims, device, max(timeout_s, float(cfg.executor.collective_timeout_s)), cfg.seed,
+                               architecture=cfg.model.architecture)
         run_preflight(dims, rank)
         where = ""
         if env["num_nodes"] > 1:
@@ -91,6 +95,7 @@ def main(argv: list[str]) -> int:
 
 
 def _run_stage(spec, ctx, cfg, run_dir, rank, world, device, t0, shutdown) -> int:
+    from launcher.megatron import patches
     from launcher.rundir import write_manifest
 
     stage = spec.name
@@ -107,7 +112,7 @@ def _run_stage(spec, ctx, cfg, run_dir, rank, world, device, t0, shutdown) -> in
         _flush_and_exit(ExitCode.FAILED)
     if rank == 0:
         write_manifest(run_dir, cfg, stage, {"duration_s": round(time.time() - t0, 2), "world_size": world,
-                                             "device": device})
+                                             "device": device, "patches": patches.applied_in_process()})
     try:
         if shutdown is not None:
             shutdown()

@@ -52,7 +52,8 @@ def pipelines_worker(runs: list, device: str = "cpu") -> dict:
         for name, module in (("quantize", quantize), ("export", export)):
             if cfg.stages[name].enabled:
                 ctx = _stage_ctx(name, cfg, run_dir, device)
-                init_distributed(ctx.dims, device, timeout_s=180, seed=int(cfg.seed))
+                init_distributed(ctx.dims, device, timeout_s=180, seed=int(cfg.seed),
+                                 architecture=cfg.model.architecture)
                 module.run(ctx)
         final = os.path.join(run_dir, "export", "hf")
         with open(os.path.join(run_dir, "export", "verify.json")) as f:

@@ -38,12 +38,13 @@ def gpu_worker(hf_path: str) -> dict:
     from launcher.megatron.hf_io import import_hf_weights
     from launcher.megatron.models import build_model, unwrap_model
     from launcher.topology import ParallelDims
+
+    dims = ParallelDims(world_size=1)
+    init_distributed(dims, "cuda", timeout_s=120, seed=1234, architecture="NemotronHForCausalLM")
     import megatron.core.ssm.mamba_mixer as mixer
 
     tokens = torch.randint(0, 256, (2, SEQ), generator=torch.Generator().manual_seed(3))
     reference = hf_logits(hf_path, tokens.cuda(), chunk_size=128, device_map="cuda").float().cpu()
-    dims = ParallelDims(world_size=1)
-    init_distributed(dims, "cuda", timeout_s=120, seed=1234)
     out = {"scan_kernel": f"{mixer.mamba_chunk_scan_combined.__module__}.{mixer.mamba_chunk_scan_combined.__name__}"}
     for dtype in ("float32", "bfloat16"):
         model = build_model(hf_path, dims, "cuda", dtype, "alltoall")

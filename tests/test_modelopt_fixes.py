@@ -57,7 +57,7 @@ def fp8_bf16_export_worker(src: str, out: str) -> dict:
 
     from launcher.export.megatron_ref import fake_quantized_references, linear_modules
     from launcher.export.verify_values import compare_references
-    from launcher.megatron import modelopt_fixes
+    from launcher.megatron import modelopt_fixes, patches
     from launcher.megatron.dist import init_distributed, shutdown
     from launcher.megatron.forward import forward_logits
     from launcher.megatron.modelopt_fixes import apply_modelopt_fixes
@@ -69,9 +69,9 @@ def fp8_bf16_export_worker(src: str, out: str) -> dict:
     model = build_model(src, dims, "cpu", "bfloat16")
     # ModelOpt's importer itself: the product's import_hf_weights applies every fix first, and
     # the "as is" export below must run on ModelOpt unfixed
-    assert not modelopt_fixes._APPLIED, modelopt_fixes._APPLIED
+    assert not set(patches.applied()) & set(modelopt_fixes.FIXES), patches.applied()
     import_mcore_gpt_from_hf(unwrap_model(model), src, dtype=resolve_dtype("bfloat16", "cpu"))
-    assert not modelopt_fixes._APPLIED, modelopt_fixes._APPLIED
+    assert not set(patches.applied()) & set(modelopt_fixes.FIXES), patches.applied()
     # round the weights to bf16 values (a bf16 checkpoint), so fp32 -> bf16 export casts are exact
     with torch.no_grad():
         for p in model.parameters():

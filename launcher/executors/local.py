@@ -14,7 +14,7 @@ import sys
 import time
 from typing import Iterator
 
-from launcher.contract import ExitCode, StageStatus
+from launcher.contract import Device, ExitCode, StageStatus
 from launcher.executors.base import CANCELLED, COMPLETED, FAILED, Progress, StagePlan, StageResult
 
 
@@ -55,6 +55,8 @@ class LocalExecutor:
         env.update(plan.env)
         env["PYTHONUNBUFFERED"] = "1"
         env.setdefault("OMP_NUM_THREADS", str(self.cfg.omp_num_threads))
+        if self.cfg.device == Device.cpu:   # CPU ranks do not see the host's GPUs (launcher.megatron.patches)
+            env["CUDA_VISIBLE_DEVICES"] = ""
         return env
 
     def run_stage(self, plan: StagePlan) -> StageResult:

@@ -2,9 +2,10 @@
 
 Megatron-Core 0.19 and ModelOpt 0.47 assume CUDA in a handful of places.  This module patches
 exactly those places, and nothing else, so that the tiny-model pipeline runs on CPU with real
-megatron-core code.  ``apply_cpu_compat()`` is idempotent and must only be called when the run
-uses ``device == "cpu"``: it refuses (AssertionError) when CUDA is available, because replacing
-``torch.cuda.*`` on a GPU process would silently break the real CUDA paths.
+megatron-core code.  Each shim is an entry of the patch register (``launcher.megatron.patches``,
+named ``cpu_<shim>``: reason, condition, undo).  ``apply_cpu_compat()`` applies them all; it is
+idempotent and refuses (``PatchRefused``, a RuntimeError: exit 5) in a process that can see CUDA,
+because replacing ``torch.cuda.*`` there would silently break the real CUDA paths.
 
 Each shim, and what breaks without it (megatron-core 0.19.2, modelopt 0.47.0; established by the
 CPU probes; each shim's test in tests/ shows the failure):
@@ -58,8 +59,6 @@ from __future__ import annotations
 import contextlib
 import types
 
-_APPLIED: set[str] = set()
-
 
 class _CpuStream:
     """Stands in for ``torch.cuda.Stream``: every operation is a synchronous no-op on CPU."""
@@ -97,18 +96,23 @@ class _CpuEvent:
         pass
 
 
-def _patch_current_device(torch) -> None:
-    torch.cuda.current_device = lambda: "cpu"
-    torch.cuda.synchronize = lambda *args, **kwargs: None
+def patch_current_device(rec) -> None:
+    import torch
+
+    rec.set(torch.cuda, "current_device", lambda: "cpu")
+    rec.set(torch.cuda, "synchronize", lambda *args, **kwargs: None)
 
 
-def _patch_streams(torch) -> None:
-    torch.cuda.Stream = _CpuStream
-    torch.cuda.current_stream = lambda *args, **kwargs: _CpuStream()
-    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
+def patch_streams(rec) -> None:
+    import torch
+
+    rec.set(torch.cuda, "Stream", _CpuStream)
+    rec.set(torch.cuda, "current_stream", lambda *args, **kwargs: _CpuStream())
+    rec.set(torch.cuda, "stream", lambda stream=None: contextlib.nullcontext())
 
 
-def _patch_alltoall_split_sizes(torch) -> None:
+def patch_alltoall_split_sizes(rec) -> None:
+    import torch
     import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
 
     def to_host(tensor, as_numpy: bool = False, record_stream: bool = False):
@@ -118,10 +122,11 @@ def _patch_alltoall_split_sizes(torch) -> None:
                 tensor = tensor.numpy()
         return tensor
 
-    token_dispatcher.maybe_move_tensor_to_cpu = to_host
+    rec.set(token_dispatcher, "maybe_move_tensor_to_cpu", to_host)
 
 
-def _patch_pipeline_schedules(torch) -> None:
+def patch_pipeline_schedules(rec) -> None:
+    import torch
     import megatron.core.pipeline_parallel.schedules as schedules
 
     class _TorchOnCpu(types.ModuleType):
@@ -136,10 +141,10 @@ def _patch_pipeline_schedules(torch) -> None:
                 kwargs["device"] = "cpu"
             return torch.zeros(*args, **kwargs)
 
-    schedules.torch = _TorchOnCpu("torch")
+    rec.set(schedules, "torch", _TorchOnCpu("torch"))
 
 
-def _patch_nvfp4_dynamic_block_quant(torch) -> None:
+def patch_nvfp4_dynamic_block_quant(rec) -> None:
     import modelopt.torch.quantization.tensor_quant as tensor_quant
 
     cuda_impl = tensor_quant.dynamic_block_quantize_op
@@ -152,7 +157,7 @@ def _patch_nvfp4_dynamic_block_quant(torch) -> None:
                              scale_num_bits, scale_exponent_bits)
         return nvfp4_fake_quant_cpu(inputs, block_size, amax)
 
-    tensor_quant.dynamic_block_quantize_op = dynamic_block_quantize
+    rec.set(tensor_quant, "dynamic_block_quantize_op", dynamic_block_quantize)
 
 
 def nvfp4_fake_quant_cpu(inputs, block_size: int, amax=None):
@@ -173,7 +178,8 @@ def nvfp4_fake_quant_cpu(inputs, block_size: int, amax=None):
     return out.reshape(inputs.shape).to(inputs.dtype)
 
 
-def _patch_tied_embeddings_pp(torch) -> None:
+def patch_tied_embeddings_pp(rec) -> None:
+    import torch
     from megatron.core.models.common.language_module.language_module import LanguageModule
 
     original = LanguageModule.setup_embeddings_and_output_layer
@@ -192,18 +198,18 @@ def _patch_tied_embeddings_pp(torch) -> None:
             torch.distributed.all_reduce(self.shared_embedding_or_output_weight().data, group=self.embd_group)
 
     setup_embeddings_and_output_layer.__wrapped__ = original
-    LanguageModule.setup_embeddings_and_output_layer = setup_embeddings_and_output_layer
+    rec.set(LanguageModule, "setup_embeddings_and_output_layer", setup_embeddings_and_output_layer)
 
 
-def _patch_mamba_reference_kernels(torch) -> None:
-    from launcher.megatron.mamba_ssm_compat import ensure_mamba_ssm_importable
+def patch_mamba_reference_kernels(rec) -> bool:
+    from launcher.megatron.mamba_ssm_compat import importable
 
-    if ensure_mamba_ssm_importable() == "absent":
-        return
+    if not importable():   # mamba_ssm absent, or without its extension in a rank that is not hybrid
+        return False
     import megatron.core.ssm.mamba_mixer as mixer
 
     if not mixer.HAVE_MAMBA_SSM:
-        return
+        return False
     import torch.nn.functional as F
     from mamba_ssm.ops.triton import layernorm_gated
     from mamba_ssm.ops.triton.ssd_combined import ssd_chunk_scan_combined_ref
@@ -246,43 +252,23 @@ def _patch_mamba_reference_kernels(torch) -> None:
         return layernorm_gated.rms_norm_ref(x, weight, bias, z=z, eps=eps, group_size=group_size,
                                             norm_before_gate=norm_before_gate)
 
-    mixer.mamba_chunk_scan_combined = chunk_scan
-    layernorm_gated.rmsnorm_fn = rmsnorm_fn
-
-
-SHIMS = {
-    "current_device": _patch_current_device,
-    "streams": _patch_streams,
-    "alltoall_split_sizes": _patch_alltoall_split_sizes,
-    "pipeline_schedules": _patch_pipeline_schedules,
-    "nvfp4_dynamic_block_quant": _patch_nvfp4_dynamic_block_quant,
-    "tied_embeddings_pp": _patch_tied_embeddings_pp,
-    "mamba_reference_kernels": _patch_mamba_reference_kernels,
-}
+    rec.set(mixer, "mamba_chunk_scan_combined", chunk_scan)
+    rec.set(layernorm_gated, "rmsnorm_fn", rmsnorm_fn)
+    return True
 
 
 def apply_cpu_compat() -> list[str]:
-    """Install every CPU shim once (idempotent). Returns the names applied so far.
+    """Apply every CPU shim of the patch register once (idempotent); returns the names applied.
 
-    Never call this in a process that uses CUDA: it asserts ``torch.cuda.is_available()`` is
-    False (an internal invariant: ``init_distributed`` calls it only for device "cpu").
+    Raises ``PatchRefused`` (RuntimeError) where CUDA is visible (``init_distributed`` calls this
+    only for device "cpu", whose ranks are started with ``CUDA_VISIBLE_DEVICES=``).
     """
-    import torch
+    from launcher.megatron import patches
 
-    assert not torch.cuda.is_available(), (
-        "apply_cpu_compat() replaces torch.cuda functions; it must not run where CUDA is in use")
-    for name, patch in SHIMS.items():
-        if name not in _APPLIED:
-            patch(torch)
-            _APPLIED.add(name)
-    return sorted(_APPLIED)
+    return patches.apply_all(patches.cpu_patches())
 
 
 def seed_megatron_rng_cpu(seed: int) -> None:
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True, force_reset_rng=True)
-
-
-def applied_shims() -> list[str]:
-    return sorted(_APPLIED)

@@ -87,16 +87,24 @@ def choose_gloo_interface(env: dict[str, int]) -> str | None:
     return found[0]
 
 
-def init_distributed(dims: "ParallelDims", device: str, timeout_s: float = 120, seed: int = 1234):
+def init_distributed(dims: "ParallelDims", device: str, timeout_s: float = 120, seed: int = 1234,
+                     architecture: str | None = None):
     """Initialize torch.distributed and Megatron's parallel_state for ``dims``; seed the RNGs.
 
     Returns megatron.core.parallel_state.  ``device`` is "cpu" (gloo, CPU shims) or "cuda"
-    (NCCL, one GPU per local rank).
+    (NCCL, one GPU per local rank).  ``architecture`` (the HF ``architectures[0]`` this rank will
+    build): a hybrid (Mamba) one gets the ``mamba_ssm_stub`` patch first, before anything can
+    import megatron.core.ssm; other ranks never see the stub.
     """
     if device not in DEVICES:
         raise ValueError(f"device={device!r} is not valid; valid values: {list(DEVICES)}")
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+    from launcher.megatron import patches
+    from launcher.megatron.models import HYBRID_ARCHITECTURES
+
+    if architecture in HYBRID_ARCHITECTURES:
+        patches.apply("mamba_ssm_stub")
     import torch
     import torch.distributed as dist
 

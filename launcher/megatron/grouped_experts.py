@@ -28,9 +28,11 @@ of quantizer calls, but still one grouped GEMM).
 Not grouped (the layer keeps the loop; ``enable_grouped_experts`` says why): an unfolded weight
 quantizer, an enabled output quantizer, biases, expert tensor parallelism > 1, TE activation,
 FP8/FP4 training recipes (``config.fp8``/``fp4``), or, on CUDA, a dtype other than bf16
-(the grouped GEMM kernel's).  ``disable_grouped_experts`` restores the class forward.
+(the grouped GEMM kernel's).  ``disable_grouped_experts`` restores the class forward and undoes
+the patch below.
 
-``enable_grouped_experts`` also installs ``skip_identity_chunk_sort``: at EP x TP = 1 the
+``enable_grouped_experts`` also applies the patch register's ``moe_skip_identity_chunk_sort``
+(``launcher.megatron.patches``): at EP x TP = 1 the
 alltoall dispatcher "sorts tokens by local expert" with an identity order - it splits the
 tokens (and probs, and on the way back the outputs) into one chunk per expert and
 concatenates them in the same order: three copies of the routed tokens per MoE layer and ~400
@@ -186,16 +188,13 @@ class GroupedExpertsForward:
         return out, None
 
 
-_IDENTITY: dict = {}
-
-
-def skip_identity_chunk_sort() -> bool:
-    """Wrap the token dispatcher's ``sort_chunks_by_idxs`` (once); True when newly installed."""
+def install_skip_identity_chunk_sort(rec) -> None:
+    """The patch register's ``moe_skip_identity_chunk_sort``: wrap the token dispatcher's
+    ``sort_chunks_by_idxs`` to return its input when the index is the identity."""
     import megatron.core.transformer.moe.token_dispatcher as td
 
     original = td.sort_chunks_by_idxs
-    if getattr(original, "_skips_identity", False):
-        return False
+    identity: dict = {}   # the dispatcher's fixed CUDA index tensors -> is it the identity (dropped on undo)
 
     def is_identity(idx) -> bool:
         import torch
@@ -203,9 +202,9 @@ def skip_identity_chunk_sort() -> bool:
         if not idx.is_cuda:   # a CPU index (Megatron's default): check it every call, no sync
             return bool(torch.equal(idx, torch.arange(idx.numel(), dtype=idx.dtype)))
         key = (idx.data_ptr(), idx.numel(), str(idx.device))   # the dispatcher's fixed index tensors
-        if key not in _IDENTITY:
-            _IDENTITY[key] = bool(torch.equal(idx.cpu(), torch.arange(idx.numel(), dtype=idx.dtype)))
-        return _IDENTITY[key]
+        if key not in identity:
+            identity[key] = bool(torch.equal(idx.cpu(), torch.arange(idx.numel(), dtype=idx.dtype)))
+        return identity[key]
 
     def sort_chunks(input, split_sizes, sorted_idxs, probs=None, fused=False):
         if is_identity(sorted_idxs):
@@ -213,8 +212,16 @@ def skip_identity_chunk_sort() -> bool:
         return original(input, split_sizes, sorted_idxs, probs=probs, fused=fused)
 
     sort_chunks._skips_identity = True
-    td.sort_chunks_by_idxs = sort_chunks
-    return True
+    rec.set(td, "sort_chunks_by_idxs", sort_chunks)
+
+
+def skip_identity_chunk_sort() -> bool:
+    """Apply ``moe_skip_identity_chunk_sort`` (once); True when newly installed."""
+    from launcher.megatron import patches
+
+    if "moe_skip_identity_chunk_sort" in patches.applied():
+        return False
+    return patches.apply("moe_skip_identity_chunk_sort")
 
 
 def sequential_mlps(model) -> list:
@@ -244,11 +251,15 @@ def enable_grouped_experts(model) -> dict[str, Any]:
 
 
 def disable_grouped_experts(model) -> int:
-    """Restore the per-expert loop everywhere (the weights stay views of the stacks)."""
+    """Restore the per-expert loop everywhere (the weights stay views of the stacks) and undo
+    ``moe_skip_identity_chunk_sort``."""
+    from launcher.megatron import patches
+
     n = 0
     for _, experts in sequential_mlps(model):
         if getattr(experts, _ATTR, None) is not None:
             del experts.forward
             setattr(experts, _ATTR, None)
             n += 1
+    patches.undo("moe_skip_identity_chunk_sort")
     return n

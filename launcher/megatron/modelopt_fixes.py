@@ -27,10 +27,10 @@ checks the installed ModelOpt still fails without it.
 """
 from __future__ import annotations
 
-_APPLIED: set[str] = set()
+FIXES = ("modelopt_fp8_export_single_rounding", "modelopt_nemotron_h_embedding_name")   # patch register names
 
 
-def _fp8_export_single_rounding() -> None:
+def fp8_export_single_rounding(rec) -> None:
     import torch
     import modelopt.torch.export.unified_export_megatron as exporter
     from modelopt.torch.export.model_config import QUANTIZATION_FP8
@@ -44,14 +44,14 @@ def _fp8_export_single_rounding() -> None:
         return original(weight, weights_scaling_factor, quantization, *args, **kwargs)
 
     to_quantized_weight.__wrapped__ = original
-    exporter.to_quantized_weight = to_quantized_weight
+    rec.set(exporter, "to_quantized_weight", to_quantized_weight)
 
 
 # key ModelOpt asks for -> the other spellings a checkpoint may use for it
 TENSOR_NAME_ALIASES = {"backbone.embeddings.weight": ("backbone.embedding.weight",)}
 
 
-def _nemotron_h_embedding_name() -> None:
+def nemotron_h_embedding_name(rec) -> None:
     import modelopt.torch.export.plugins.megatron_importer as importer
 
     original = importer.get_safetensor
@@ -68,17 +68,11 @@ def _nemotron_h_embedding_name() -> None:
             raise
 
     get_safetensor.__wrapped__ = original
-    importer.get_safetensor = get_safetensor
-
-
-FIXES = {"fp8_export_single_rounding": _fp8_export_single_rounding,
-         "nemotron_h_embedding_name": _nemotron_h_embedding_name}
+    rec.set(importer, "get_safetensor", get_safetensor)
 
 
 def apply_modelopt_fixes() -> list[str]:
-    """Install every fix once (idempotent); returns the names applied so far."""
-    for name, fix in FIXES.items():
-        if name not in _APPLIED:
-            fix()
-            _APPLIED.add(name)
-    return sorted(_APPLIED)
+    """Apply every fix once through the patch register (idempotent); returns the names applied."""
+    from launcher.megatron import patches
+
+    return patches.apply_all(FIXES)

@@ -168,13 +168,13 @@ def _runtime_kwargs(device: str, dtype: "torch.dtype", dims: "ParallelDims", dis
 
 
 def _build_gpt(arch: str, hf: dict[str, Any], dims: "ParallelDims", device: str, dtype, dispatcher: str,
-               eval_kernels: bool = False):
+               eval_kernels: bool = False, fused_activation: bool | None = None):
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     kw = {**_runtime_kwargs(device, dtype, dims, dispatcher), **_gpt_config_kwargs(arch, hf)}
-    if eval_kernels and device == "cuda":
+    if (eval_kernels and device == "cuda") if fused_activation is None else fused_activation:
         kw["bias_activation_fusion"] = True   # Megatron's fused (torch.compile'd) SwiGLU: eval only
     if "num_moe_experts" not in kw:
         for key in [k for k in kw if k.startswith("moe_")]:
@@ -308,13 +308,17 @@ def check_buildable(hf_path: str, device: str) -> str:
 
 
 def build_model(hf_path: str, dims: "ParallelDims", device: str, dtype="bfloat16",
-                dispatcher: str = "alltoall", trust_remote_code: bool = False, eval_kernels: bool = False):
+                dispatcher: str = "alltoall", trust_remote_code: bool = False, eval_kernels: bool = False,
+                fused_activation: bool | None = None):
     """This rank's pipeline stage of the Megatron model for the checkpoint at ``hf_path``.
 
     Call after ``launcher.megatron.dist.init_distributed``.  ``trust_remote_code`` is accepted
     for symmetry with the HF loaders; the builder reads config.json itself.  ``eval_kernels``
     (GPT architectures, local spec): SDPA core attention and, on CUDA, fused SwiGLU - for
     evaluation only, it changes the arithmetic slightly (``launcher.megatron.eval_kernels``).
+    ``fused_activation`` forces Megatron's torch.compile'd SwiGLU (``bias_activation_fusion``)
+    on or off for GPT architectures (default: with ``eval_kernels`` on CUDA); the CPU test of
+    the compiled path uses it.
     """
     if dispatcher not in DISPATCHERS:
         raise ValueError(f"moe_dispatcher={dispatcher!r} is not valid; valid values: {list(DISPATCHERS)}")
@@ -324,7 +328,7 @@ def build_model(hf_path: str, dims: "ParallelDims", device: str, dtype="bfloat16
     if arch in HYBRID_ARCHITECTURES:
         model = _build_nemotron_h(hf, dims, device, torch_dtype, dispatcher)
     else:
-        model = _build_gpt(arch, hf, dims, device, torch_dtype, dispatcher, eval_kernels)
+        model = _build_gpt(arch, hf, dims, device, torch_dtype, dispatcher, eval_kernels, fused_activation)
     if device == "cuda":
         import torch
 
