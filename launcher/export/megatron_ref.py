@@ -1,8 +1,9 @@
 """References from the in-memory Megatron model for the exported HF tensors (GPT-style models).
 
 For each linear of this rank's pipeline stage, the HF module name(s) ModelOpt's export writes it
-to, and the weight the quantized model actually computes with: ``weight_quantizer(weight)``
-(ModelOpt's fake quantization), split the way the HF checkpoint stores it:
+to, and the weight the MMLU gate evaluated (``launcher.megatron.fold``: the exporter's own
+quantize arithmetic, dequantized - ``launcher.megatron.exported_weights``), split the way the HF
+checkpoint stores it:
 
     decoder.layers.i.self_attention.linear_qkv  -> model.layers.L.self_attn.{q,k,v}_proj
         (rows are per query group: [q heads of the group, k, v], each head_dim rows)
@@ -193,15 +194,21 @@ def select_samples(linears: list[MappedLinear], per_kind: int, num_layers: int,
 
 
 def fake_quantized_references(linears: list[MappedLinear]) -> dict:
-    """HF module name -> (kind, tensor): the weight each linear computes with, split to HF layout."""
+    """HF module name -> (kind, tensor): the weight the MMLU gate evaluated for each linear,
+    split to HF layout.  For a quantized linear that is the exporter's arithmetic dequantized
+    (``launcher.megatron.exported_weights``, what the gate folds), else
+    ``weight_quantizer(weight)``; unquantized linears: the weight."""
     import torch
+
+    from launcher.megatron.exported_weights import exported_weight
 
     out = {}
     with torch.no_grad():
         for m in linears:
             w = m.module.weight
             if m.weight_quantized:
-                w = m.module.weight_quantizer(w)
+                exported = exported_weight(m.module)
+                w = m.module.weight_quantizer(w) if exported is None else exported
             for name, part in zip(m.hf_names, m.split(w.detach())):
                 out[name] = (m.kind, part.cpu().clone())
     return out

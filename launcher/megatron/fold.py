@@ -5,14 +5,16 @@ every linear (``_QuantLinear.quantized_linear_fn``).  The weights are constant d
 so ``fold_weight_quantizers`` computes that once per module, stores it in the weight and
 disables the weight quantizer; input (activation) quantizers stay as they are.
 
-Equivalent to ModelOpt's ``mtq.fold_weight`` with one difference that matters on a GPU:
-``mtq.fold_weight`` quantizes an fp32 copy of the weight (``quantizer(weight.float())``), while
-a forward quantizes the weight in its own dtype (bf16 there) - a different input to ModelOpt's
-kernels.  Here the quantizer gets exactly what the forward gives it, so the folded weight is
-bit-identical to what every unfolded forward computed, and to the reference the export
-verifier compares the exported weights with (``launcher.export.megatron_ref``:
-``weight_quantizer(weight)`` on the reloaded quantize checkpoint).  The export stage never sees
-a folded model: it reloads ``quantize/checkpoint`` in its own process.
+The folded weight is the one the HF export will store, dequantized
+(``launcher.megatron.exported_weights.exported_weight``: ModelOpt's exporter arithmetic on the
+module), not ``weight_quantizer(weight)``: on a GPU the fake-quant kernel breaks rounding ties
+differently from the exporter, and the gate must evaluate the checkpoint that ships.  The export
+verifier compares the exported files with the same function on the reloaded checkpoint
+(``launcher.export.megatron_ref``), so its 0 flips say the gate evaluated those bytes.  On CPU
+both arithmetics agree bit for bit, so the folded weight also equals every unfolded forward's
+(tests/test_eval_fast_paths.py).  A weight quantizer whose format the exporter does not pack is
+folded as ``weight_quantizer(weight)``.  The export stage never sees a folded model: it reloads
+``quantize/checkpoint`` in its own process.
 
 Folding is irreversible (the gate's model is discarded after the stage).  A weight shared with
 another parameter (tied embeddings) is never folded; ``fold_weight_quantizers`` reports it.
@@ -35,17 +37,20 @@ def _disable(q) -> None:
         s.disable()
 
 
-def fold_weight_quantizers(model) -> dict[str, Any]:
-    """Fold every enabled fake-quant ``weight_quantizer`` of ``model`` into its ``weight``.
+def fold_weight_quantizers(model, export_dtype=None) -> dict[str, Any]:
+    """Fold every enabled fake-quant ``weight_quantizer`` of ``model`` into its ``weight``, as
+    the export (in ``export_dtype``; default each weight's own) will write it.
 
-    Returns {"folded": n, "modules": [names], "skipped_shared": [names]}.
+    Returns {"folded": n, "modules": [names], "skipped_shared": [names], "as_exported": n}.
     """
     import torch
+
+    from launcher.megatron.exported_weights import exported_weight
 
     uses: dict[int, int] = {}   # tensor start address -> parameters starting there (tied weights)
     for _, p in model.named_parameters(remove_duplicate=False):
         uses[p.data_ptr()] = uses.get(p.data_ptr(), 0) + 1
-    folded, skipped = [], []
+    folded, skipped, as_exported = [], [], 0
     with torch.no_grad():
         for name, module in model.named_modules():
             q = getattr(module, "weight_quantizer", None)
@@ -55,7 +60,9 @@ def fold_weight_quantizers(model) -> dict[str, Any]:
             if uses.get(w.data_ptr(), 0) > 1:
                 skipped.append(name)
                 continue
-            w.data.copy_(q(w))
+            value = exported_weight(module, export_dtype)
+            as_exported += value is not None
+            w.data.copy_(q(w) if value is None else value)
             _disable(q)
             folded.append(name)
-    return {"folded": len(folded), "modules": folded, "skipped_shared": skipped}
+    return {"folded": len(folded), "modules": folded, "skipped_shared": skipped, "as_exported": as_exported}

@@ -132,19 +132,21 @@ def evaluate_model(model, prepared, dims, rank: int, mode: str = "auto",
     return merged, plan, run
 
 
-def prepare_model_for_eval(model, log: Optional[Callable[[str], None]] = None) -> dict:
+def prepare_model_for_eval(model, log: Optional[Callable[[str], None]] = None, export_dtype=None) -> dict:
     """Fold constant weight quantization (``launcher.megatron.fold``), then run the MoE experts as
     grouped GEMMs (``launcher.megatron.grouped_experts``).  Predictions are unchanged: on CPU both
     are bit-exact (tests/test_eval_fast_paths.py); on a GPU the grouped GEMM kernel sums in
     another order than the per-expert matmuls (benchmarks/mmlu_gpu.py counts the changes).
-    Call ``release_model_after_eval`` before loading a checkpoint into the same model."""
+    Call ``release_model_after_eval`` before loading a checkpoint into the same model.
+    ``export_dtype``: the dtype the export stage writes in (the folded weights are the exported ones)."""
     from launcher.megatron.fold import fold_weight_quantizers
     from launcher.megatron.grouped_experts import enable_grouped_experts
 
     t = time.time()
-    folded = fold_weight_quantizers(model)
+    folded = fold_weight_quantizers(model, export_dtype)
     grouped = enable_grouped_experts(model)
-    report = {"folded_weight_quantizers": folded["folded"], "not_folded_shared": folded["skipped_shared"],
+    report = {"folded_weight_quantizers": folded["folded"], "folded_as_exported": folded["as_exported"],
+              "not_folded_shared": folded["skipped_shared"],
               "grouped_expert_layers": len(grouped["grouped"]), "expert_layers_kept": grouped["kept"],
               "expert_input_quantization": sorted({v for q in grouped["input_quantization"].values()
                                                    for v in q.values()}),

@@ -168,7 +168,7 @@ def _baseline_from_cache(ctx: StageContext, cached: dict, evaluated: Optional[di
 def run(ctx: StageContext) -> None:
     from launcher.megatron.checkpoint import load_checkpoint
     from launcher.megatron.hf_io import import_hf_weights
-    from launcher.megatron.models import build_model
+    from launcher.megatron.models import build_model, resolve_dtype
     from launcher.mmlu.evaluate import (broadcast_from_rank0, evaluate_model, prepare_model_for_eval,
                                         release_model_after_eval)
 
@@ -215,7 +215,9 @@ def run(ctx: StageContext) -> None:
         t = time.time()
         load_checkpoint(model, ctx.layout.quantize_checkpoint)
         timings["load_checkpoint_s"] = time.time() - t
-    timings["fold_and_group_s"] = prepare_model_for_eval(model, ctx.log)["seconds"]
+    # the folded weights are the exported ones (launcher.megatron.fold), in the export's dtype
+    export_dtype = resolve_dtype(cfg.stages.export.dtype, ctx.device) if cfg.stages.export.enabled else None
+    timings["fold_and_group_s"] = prepare_model_for_eval(model, ctx.log, export_dtype)["seconds"]
     t = time.time()
     results, plan, local = evaluate_model(model, prepared, label="quantized" if quantized else "", **common)
     timings["eval_s"] = time.time() - t
