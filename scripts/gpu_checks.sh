@@ -4,10 +4,18 @@
 #   bash scripts/gpu_checks.sh REPORT_DIR [PART ...]
 #
 # Parts (default: tests pipeline), run in the order given:
+#   all          every GPU check the project has, in two halves that each fit one 10-minute call:
+#   all:1        tests pipeline pipeline-fp8 probe
+#   all:2        nemotron cpu-on-gpu bench-quick
+#                Every call writes REPORT_DIR/report.json (scripts/gpu_report.py: commit, versions,
+#                per part exit/seconds/figures); commit it under benchmarks/results/.
 #   tests        pytest -m gpu: CPU NVFP4 path vs ModelOpt's GPU kernel (bit-exactness report),
 #                tiny Qwen3-MoE quantized NVFP4 + FP8 on the GPU, quantize -> export -> verify
 #   pipeline     `launch examples/tiny/...` end to end on cuda at world size 1 (quantize NVFP4 ->
 #                MMLU gate -> export), needs the tiny build under $PTQ_CACHE_DIR or .cache/tiny
+#   pipeline-fp8 the same with recipe=fp8_default (the FP8 export's flips against the gated weights)
+#   cpu-on-gpu   the tiny example's quantize + gate with executor.device=cpu on this GPU host at EP4
+#                (4 gloo ranks that must not see CUDA), export off
 #   gate         the tiny example's quantize (NVFP4) + MMLU gate on cuda, export off (the gate's
 #                fold + grouped experts + eval kernels, through the product's stage)
 #   bench-smoke  benchmarks/mmlu_gpu.py on a handful of questions (does the script run on GPU?)
@@ -29,9 +37,12 @@
 # CUDA extensions (FP8 fake quant) build into /tmp/torch_ext; REPORT_DIR/torch_ext.tgz keeps the
 # build, and a .gpu-cache/torch_ext.tgz carried next time is unpacked first (no rebuild).
 set -uo pipefail
-out=${1:?usage: gpu_checks.sh REPORT_DIR [tests] [pipeline] [gate] [bench-smoke] [bench] [bench-quick] [probe] [cost] [cost-large] [nemotron]}
+out=${1:?usage: gpu_checks.sh REPORT_DIR [all|all:1|all:2] [tests] [pipeline] [pipeline-fp8] [cpu-on-gpu] [gate] [bench-smoke] [bench] [bench-quick] [probe] [cost] [cost-large] [nemotron]}
 shift
 parts=${*:-tests pipeline}
+half1="tests pipeline pipeline-fp8 probe"
+half2="nemotron cpu-on-gpu bench-quick"
+parts=$(echo " $parts " | sed -e "s/ all:1 / $half1 /g" -e "s/ all:2 / $half2 /g" -e "s/ all / $half1 $half2 /g")
 mkdir -p "$out"
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -67,6 +78,15 @@ for part in $parts; do
       [ -n "$run" ] && tar -C "$run" -czf "$out/pipeline_run.tgz" --exclude='checkpoint*' --exclude='hf' \
         --exclude='*.safetensors' . ;
       (exit $rc) ;;
+    pipeline-fp8)
+      timeout 150 python3 -m launcher.cli examples/tiny/Qwen3-MoE-tiny/megatron_lm_ptq.yaml recipe=fp8_default \
+        executor.device=cuda 'stages.quantize.parallel={ep:1,world_size:1}' \
+        'stages.mmlu.parallel={ep:1,world_size:1}' 'stages.export.parallel={pp:1,world_size:1}' \
+        stages.vllm_smoke.enabled=false runs_root=/tmp/gpu-runs-fp8 2>&1 | tee "$out/pipeline-fp8.log" ;;
+    cpu-on-gpu)
+      timeout 240 python3 -m launcher.cli examples/tiny/Qwen3-MoE-tiny/megatron_lm_ptq.yaml executor.device=cpu \
+        stages.export.enabled=false stages.vllm_smoke.enabled=false runs_root=/tmp/gpu-runs-cpu \
+        2>&1 | tee "$out/cpu-on-gpu.log" ;;
     gate)
       timeout 150 python3 -m launcher.cli examples/tiny/Qwen3-MoE-tiny/megatron_lm_ptq.yaml \
         executor.device=cuda 'stages.quantize.parallel={ep:1,world_size:1}' \
@@ -81,7 +101,7 @@ for part in $parts; do
         --moe-layers 4 --budgets 16384,32768,65536 --ref-batch-sizes "$refs" --quant nvfp4,fp8 \
         2>&1 | tee "$out/$part.log" ;;
     probe)
-      timeout 120 python3 scripts/gpu_quant_probe.py 2>&1 | tee "$out/probe.log" ;;
+      GPU_REPORT_DIR=$out timeout 120 python3 scripts/gpu_quant_probe.py 2>&1 | tee "$out/probe.log" ;;
     cost)
       timeout 540 python3 benchmarks/pipeline_cost.py --out "$out/pipeline_cost.json" --parts overhead,stages \
         --runs 1 --device cuda --widths 1024,2048 --calib-sizes 16,128 2>&1 | tee "$out/cost.log" ;;
@@ -101,12 +121,14 @@ for part in $parts; do
       [ -n "$run" ] && tar -C "$run" -czf "$out/nemotron_run.tgz" --exclude='checkpoint*' --exclude='hf' \
         --exclude='*.safetensors' . ;
       [ "$rc_tests" = 0 ] && (exit $rc) ;;
-    *) echo "unknown part '$part' (valid: tests pipeline gate bench-smoke bench bench-quick probe cost cost-large nemotron)"; exit 2 ;;
+    *) echo "unknown part '$part' (valid: all all:1 all:2 tests pipeline pipeline-fp8 cpu-on-gpu gate bench-smoke bench bench-quick probe cost cost-large nemotron)"; exit 2 ;;
   esac
   rc=$?   # pipefail: the status of the part's command, not of tee
   echo "== $part: exit $rc in $(( $(date +%s) - t0 )) s" | tee -a "$out/parts.txt"
   [ "$rc" = 0 ] || status=1
 done
+python3 scripts/gpu_report.py "$out" pipeline=/tmp/gpu-runs pipeline-fp8=/tmp/gpu-runs-fp8 \
+  nemotron=/tmp/gpu-runs-nh cpu-on-gpu=/tmp/gpu-runs-cpu gate=/tmp/gpu-runs || status=1
 if [ -n "$(ls -A "$TORCH_EXTENSIONS_DIR" 2>/dev/null)" ]; then
   tar -C "$TORCH_EXTENSIONS_DIR" -czf "$out/torch_ext.tgz" . && ls -la "$out/torch_ext.tgz"
 fi

@@ -43,7 +43,40 @@ def main() -> None:
     out["nvfp4_fp32_vs_export_fp32"] = flips(
         tensor_quant.dynamic_block_quantize_op(w.float(), 16, amax, 4, 2, 8, 4).float(), nvfp4_export,
         torch.float32)
+    out.update(export_arithmetic_gpu_vs_cpu())
     print(json.dumps(out, indent=1))
+    import os
+    if os.environ.get("GPU_REPORT_DIR"):
+        with open(os.path.join(os.environ["GPU_REPORT_DIR"], "probe.json"), "w") as f:
+            json.dump(out, f, indent=1)
+
+
+def export_arithmetic_gpu_vs_cpu() -> dict:
+    """The exporter's packing (NVFP4QTensor / FP8 division, as ``to_quantized_weight`` does it) of
+    the same bf16 tensors on the GPU and on the CPU, where ModelOpt's exporter runs it: are the
+    codes and scales the same bytes?  (launcher.megatron.exported_weights computes the gate's
+    folded weights on the model's device.)"""
+    from modelopt.torch.quantization.qtensor import NVFP4QTensor
+
+    out = {}
+    g = torch.Generator().manual_seed(1)
+    for shape in ((1024, 1024), (2688, 1856), (512, 4096)):
+        w = (torch.randn(*shape, generator=g) * 0.02).bfloat16()
+        amax = w.float().abs().amax()
+        res = {}
+        for dev in ("cpu", "cuda"):
+            x = w.to(dev)
+            s2 = (amax / (6 * 448.0)).to(dev)
+            sc, _ = NVFP4QTensor.get_weights_scaling_factor(x, 16, s2)
+            q, _, _ = NVFP4QTensor.quantize(x, 16, sc, s2)
+            fp8_scale = (amax / 448.0).to(dev)
+            res[dev] = (q._quantized_data.cpu(), sc.cpu().view(torch.uint8),
+                        (x.float() / fp8_scale).to(torch.float8_e4m3fn).cpu().view(torch.uint8))
+        key = "x".join(map(str, shape))
+        out[f"export_arith_nvfp4_codes_{key}_gpu_vs_cpu_differ"] = int((res["cpu"][0] != res["cuda"][0]).sum())
+        out[f"export_arith_nvfp4_scales_{key}_gpu_vs_cpu_differ"] = int((res["cpu"][1] != res["cuda"][1]).sum())
+        out[f"export_arith_fp8_codes_{key}_gpu_vs_cpu_differ"] = int((res["cpu"][2] != res["cuda"][2]).sum())
+    return out
 
 
 if __name__ == "__main__":

