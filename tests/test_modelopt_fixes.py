@@ -14,6 +14,15 @@ from distributed_utils import run_on_ranks, write_tiny_qwen3_moe
 torch = pytest.importorskip("torch")
 
 
+@pytest.fixture(autouse=True)
+def _leave_the_process_unpatched():
+    """Tests here apply ModelOpt fixes in the pytest process; the register undoes them after each."""
+    yield
+    from launcher.megatron import patches
+
+    patches.undo_all()
+
+
 def _fp8_codes(t: "torch.Tensor") -> "torch.Tensor":
     return t.view(torch.uint8)
 
@@ -55,7 +64,7 @@ def fp8_bf16_export_worker(src: str, out: str) -> dict:
     import modelopt.torch.quantization as mtq
     from modelopt.torch.export import export_mcore_gpt_to_hf, import_mcore_gpt_from_hf
 
-    from launcher.export.megatron_ref import fake_quantized_references, linear_modules
+    from launcher.export.megatron_ref import linear_modules
     from launcher.export.verify_values import compare_references
     from launcher.megatron import modelopt_fixes, patches
     from launcher.megatron.dist import init_distributed, shutdown
@@ -80,7 +89,14 @@ def fp8_bf16_export_worker(src: str, out: str) -> dict:
     batches = [torch.randint(0, 256, (4, 32), generator=gen) for _ in range(4)]
     mtq.quantize(unwrap_model(model), copy.deepcopy(mtq.FP8_DEFAULT_CFG),
                  lambda _m: [forward_logits(model, b) for b in batches])
-    refs = fake_quantized_references(linear_modules(model))
+    # the fake quantization's single rounding (weight_quantizer(weight)), computed directly: the
+    # product's references (fake_quantized_references) are the exporter's arithmetic, fixes applied
+    refs = {}
+    with torch.no_grad():
+        for m in linear_modules(model):
+            w = m.module.weight_quantizer(m.module.weight) if m.weight_quantized else m.module.weight
+            refs.update({name: (m.kind, part.clone()) for name, part in zip(m.hf_names, m.split(w.detach()))})
+    assert not set(patches.applied()) & set(modelopt_fixes.FIXES), patches.applied()
     result = {}
     for label in ("modelopt_as_is", "fixed"):
         if label == "fixed":

@@ -152,3 +152,14 @@ def test_compiled_fused_swiglu_runs_with_the_stub(random_tiny_moe):
     assert r["stubbed"] is (importlib.util.find_spec("mamba_ssm") is not None), r
     assert r["fusion"] is True and r["same_argmax"], r
     assert r["max_abs_diff"] < 1e-4, r
+
+
+def test_transformer_engine_specs_are_refused_with_the_reason():
+    pytest.importorskip("megatron.core")
+    from launcher.megatron.hybrid_spec import nemotron_h_stack_spec
+    from launcher.megatron.models import TE_SPEC_REFUSAL
+
+    with pytest.raises(ValueError) as e:
+        nemotron_h_stack_spec(use_te=True)
+    assert str(e.value) == TE_SPEC_REFUSAL and "never tested here" in TE_SPEC_REFUSAL
+    assert nemotron_h_stack_spec(use_te=False).submodules.mamba_layer is not None

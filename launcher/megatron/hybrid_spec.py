@@ -18,7 +18,8 @@ modules only:
 Module names are exactly those of Megatron's own specs (``mixer.in_proj``, ``norm``,
 ``self_attention.linear_qkv``, ``mlp.experts.local_experts.N.linear_fc1``, ``decoder.final_norm``)
 so ModelOpt's NemotronH import/export mappings (``mcore_nemotron.py``) apply unchanged.
-With ``use_te=True`` (TransformerEngine installed) the launcher uses ModelOpt's own spec.
+``use_te=True`` (ModelOpt's own TE spec) is refused with ``models.TE_SPEC_REFUSAL``: it never ran
+in this project; the builder always passes False, TE installed or not.
 
 The Mamba mixer's keyword arguments that config.json determines (``d_conv``, ``chunk_size``) are
 passed as spec params; Megatron's defaults (4, 128) are Nano's values.
@@ -113,13 +114,9 @@ def _local_spec(mixer_params: dict[str, Any]):
 
 
 def nemotron_h_stack_spec(use_te: bool, conv_kernel: int = 4, chunk_size: int = 128):
-    """The hybrid stack spec: Megatron-only modules, or ModelOpt's TE spec when ``use_te``."""
-    mixer_params = {"d_conv": int(conv_kernel), "chunk_size": int(chunk_size)}
-    if not use_te:
-        return _local_spec(mixer_params)
-    from megatron.core.post_training.modelopt.hybrid.model_specs import get_hybrid_stack_modelopt_spec
+    """The hybrid stack spec of Megatron-only modules; ``use_te`` is refused (untested here)."""
+    if use_te:
+        from launcher.megatron.models import TE_SPEC_REFUSAL
 
-    spec = get_hybrid_stack_modelopt_spec(local_core_attention=False, use_default_te_spec=False)
-    spec.submodules.mamba_layer.submodules.mixer.params = {
-        **(spec.submodules.mamba_layer.submodules.mixer.params or {}), **mixer_params}
-    return spec
+        raise ValueError(TE_SPEC_REFUSAL)
+    return _local_spec({"d_conv": int(conv_kernel), "chunk_size": int(chunk_size)})

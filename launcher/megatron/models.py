@@ -53,12 +53,15 @@ def resolve_dtype(dtype: "str | torch.dtype", device: str) -> "torch.dtype":
     return torch.float32 if device == "cpu" else getattr(torch, name)
 
 
-def transformer_engine_available() -> bool:
-    try:
-        import transformer_engine  # noqa: F401
-    except Exception:
-        return False
-    return True
+# Why the builder never takes TransformerEngine's layer specs, even where TE is installed (an NGC
+# container): that branch never ran in this project.  Its Python wheel, transformer_engine_torch
+# 2.20.2, has no binary wheel for cp312 (the H200 image's Python), only an sdist of 33 C++/CUDA
+# sources to build against transformer-engine-cu13's 276 MB wheel; carrying that to the lent H200
+# takes five 64-MiB calls before the build starts, which the device budget did not allow
+# (README, "TransformerEngine").  Megatron's own local modules run everywhere and are tested.
+TE_SPEC_REFUSAL = ("TransformerEngine layer specs are not supported by this launcher: they were never "
+                   "tested here (transformer_engine_torch has no cp312 binary wheel and was not built on "
+                   "the H200; README, 'TransformerEngine'); the local Megatron spec is used on every machine")
 
 
 def _rope(hf: dict[str, Any]) -> dict[str, Any]:
@@ -180,18 +183,14 @@ def _build_gpt(arch: str, hf: dict[str, Any], dims: "ParallelDims", device: str,
         for key in [k for k in kw if k.startswith("moe_")]:
             del kw[key]
     config = TransformerConfig(**kw)
-    if transformer_engine_available():
-        from megatron.core.post_training.modelopt.gpt.model_specs import get_gpt_modelopt_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-        spec = get_gpt_modelopt_spec(config, remap_te_layernorm=False)
-    else:
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    # Megatron's local modules, TE installed or not (TE_SPEC_REFUSAL says why)
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+    if eval_kernels:
+        from launcher.megatron.eval_kernels import gpt_eval_spec
 
-        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
-        if eval_kernels:
-            from launcher.megatron.eval_kernels import gpt_eval_spec
-
-            spec = gpt_eval_spec(spec)   # SDPA core attention (launcher.megatron.eval_kernels)
+        spec = gpt_eval_spec(spec)   # SDPA core attention (launcher.megatron.eval_kernels)
     rope = _rope(hf)
     model = GPTModel(
         config=config,
@@ -279,7 +278,7 @@ def _build_nemotron_h(hf: dict[str, Any], dims: "ParallelDims", device: str, dty
         for key in [k for k in kw if k.startswith("moe_")]:
             del kw[key]
     config = TransformerConfig(**kw)
-    spec = nemotron_h_stack_spec(use_te=transformer_engine_available(),
+    spec = nemotron_h_stack_spec(use_te=False,
                                  conv_kernel=hf.get("conv_kernel", 4), chunk_size=hf.get("chunk_size", 128))
     return HybridModel(
         config=config,
