@@ -61,6 +61,7 @@ mkdir -p "$TORCH_EXTENSIONS_DIR"
 [ -f .gpu-cache/torch_ext.tgz ] && tar -C "$TORCH_EXTENSIONS_DIR" -xzmf .gpu-cache/torch_ext.tgz
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$out/parts.txt"
 python3 -c "import torch, megatron.core, modelopt; print('torch', torch.__version__, 'mcore', megatron.core.__version__, 'modelopt', modelopt.__version__)" | tee -a "$out/parts.txt"
+python3 -c "import importlib.metadata as m, importlib.util as u; print('versions', *[f'{n}={m.version(n) if u.find_spec(n.replace(chr(45), chr(95))) else None}' for n in ('transformers', 'triton', 'mamba_ssm')])" | tee -a "$out/parts.txt"
 status=0
 for part in $parts; do
   t0=$(date +%s)
@@ -132,4 +133,8 @@ python3 scripts/gpu_report.py "$out" pipeline=/tmp/gpu-runs pipeline-fp8=/tmp/gp
 if [ -n "$(ls -A "$TORCH_EXTENSIONS_DIR" 2>/dev/null)" ]; then
   tar -C "$TORCH_EXTENSIONS_DIR" -czf "$out/torch_ext.tgz" . && ls -la "$out/torch_ext.tgz"
 fi
+# at most 8 files come back from a device call: the report, parts.txt and the extension build
+# stay; every log, run archive and part JSON goes into one logs.tgz
+( cd "$out" && find . -maxdepth 2 -type f ! -name report.json ! -name parts.txt ! -name torch_ext.tgz \
+    ! -name logs.tgz -print0 | tar --null -czf logs.tgz --remove-files -T - ) && ls -la "$out"
 exit $status

@@ -43,7 +43,21 @@ def _commit() -> str:
         return "unknown"
 
 
-def _versions() -> dict:
+def _versions(out_dir: str) -> dict:
+    """The device's versions: parts.txt's lines (gpu_checks.sh writes them there), else this
+    interpreter's (when the report is built where the checks ran)."""
+    try:
+        with open(os.path.join(out_dir, "parts.txt")) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        lines = []
+    if len(lines) >= 2 and lines[1].startswith("torch "):
+        words = lines[1].split()
+        out = {"gpu": lines[0], **dict(zip(words[::2], words[1::2]))}
+        for line in lines[2:]:
+            if line.startswith("versions "):
+                out.update(kv.split("=", 1) for kv in line.split()[1:])
+        return out
     out = {"python": sys.version.split()[0]}
     for name in ("torch", "triton", "megatron-core", "nvidia-modelopt", "transformers", "mamba_ssm", "vllm",
                  "transformer_engine"):
@@ -130,7 +144,7 @@ def build_report(out_dir: str, run_roots: dict[str, str]) -> dict:
     extra = {os.path.basename(p): _read_json(p) for p in sorted(glob.glob(os.path.join(out_dir, "*.json")))
              if os.path.basename(p) != "report.json"}
     return {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "commit": _commit(),
-            "versions": _versions(), "parts": parts, "all_pass": bool(parts) and all(p["pass"] for p in parts.values()),
+            "versions": _versions(out_dir), "parts": parts, "all_pass": bool(parts) and all(p["pass"] for p in parts.values()),
             "artifacts": extra}
 
 
