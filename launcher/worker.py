@@ -15,6 +15,19 @@ import traceback
 from launcher.contract import ExitCode, RunLayout, StageFailed, StageName
 
 
+def share_kernel_caches(cache_root: str, env=os.environ) -> dict[str, str]:
+    """Point triton's and inductor's on-disk caches at ``<cache>/kernels`` (unless the user set
+    them), with triton's autotune results cached too: every stage of a run, and every run on the
+    machine, reuses the kernels (the Mamba-2 scan, the fused SwiGLU) that an earlier stage compiled
+    and tuned instead of paying the JIT again.  Returns what it set."""
+    wanted = {"TRITON_CACHE_DIR": os.path.join(cache_root, "kernels", "triton"),
+              "TRITON_CACHE_AUTOTUNING": "1",
+              "TORCHINDUCTOR_CACHE_DIR": os.path.join(cache_root, "kernels", "inductor")}
+    chosen = {k: v for k, v in wanted.items() if not env.get(k)}
+    env.update(chosen)
+    return chosen
+
+
 def choose_device(requested: str, local_world: int) -> str:
     if requested == "cpu":
         # CPU ranks never see a GPU (the executors start them so too): the CPU shims refuse a
@@ -55,6 +68,9 @@ def main(argv: list[str]) -> int:
     from launcher.stages import registry
     from launcher.stages.context import StageContext
 
+    from launcher.config.compose import cache_dir
+
+    share_kernel_caches(cache_dir())   # before torch: triton and inductor read these at import
     cfg = load_run_config(RunLayout(run_dir).config_yaml)
     dims = stage_dims(cfg, stage)
     if world != dims.world_size:

@@ -163,3 +163,13 @@ def test_transformer_engine_specs_are_refused_with_the_reason():
         nemotron_h_stack_spec(use_te=True)
     assert str(e.value) == TE_SPEC_REFUSAL and "never tested here" in TE_SPEC_REFUSAL
     assert nemotron_h_stack_spec(use_te=False).submodules.mamba_layer is not None
+
+
+def test_stages_share_the_kernel_caches_unless_the_user_chose_them():
+    from launcher.worker import share_kernel_caches
+
+    env = {"TORCHINDUCTOR_CACHE_DIR": "/mine"}
+    chosen = share_kernel_caches("/c", env)
+    assert chosen == {"TRITON_CACHE_DIR": "/c/kernels/triton", "TRITON_CACHE_AUTOTUNING": "1"}
+    assert env == {"TORCHINDUCTOR_CACHE_DIR": "/mine", **chosen}
+    assert share_kernel_caches("/other", env) == {}   # set once: every rank of every stage agrees
