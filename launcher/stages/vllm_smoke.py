@@ -30,6 +30,7 @@ import signal
 import sys
 import threading
 import time
+import dataclasses
 from dataclasses import asdict, dataclass, field
 from typing import Iterator, Optional
 
@@ -38,7 +39,7 @@ from launcher.stages.context import StageContext
 from launcher.vllm import agreement, capability, generation
 from launcher.vllm.backends import BACKENDS, Backend, Replies, Work
 from launcher.vllm.gate_questions import GateMismatch, GateSet, load_gate_set
-from launcher.vllm.probe import probe_platform, vllm_python
+from launcher.vllm.probe import probe_platform, probe_quant, vllm_python
 from launcher.vllm.procs import log_tail
 from launcher.vllm.server import VllmError
 
@@ -134,12 +135,17 @@ def _capability(ctx: StageContext, model_dir: str) -> tuple[dict, capability.Qua
     python = vllm_python(ctx.stage_cfg.python)
     t0 = time.monotonic()
     platform = probe_platform(python)
+    if platform.vllm_importable and platform.vllm_device == "cuda" and quant.quantized:
+        # vLLM's own minimum capability for this checkpoint (its config class), not a table of ours
+        platform = dataclasses.replace(platform, **probe_quant(python, model_dir))
     ok, reason = capability.decide(quant, platform, capability.read_model_info(model_dir))
     ctx.log(f"export {model_dir}: {quant.describe()}; vLLM: {python} -> {reason}")
     return {"ok": ok, "reason": reason, "forced": bool(ctx.stage_cfg.force),
             "quantization": quant.describe(), "python": python,
             "vllm_version": platform.vllm_version, "vllm_device": platform.vllm_device,
             "gpu_capabilities": [f"{a}.{b}" for a, b in platform.gpu_capabilities],
+            "vllm_quant_method": platform.quant_method, "vllm_quant_config": platform.quant_config_class,
+            "vllm_min_capability": platform.quant_min_capability,
             "check_s": round(time.monotonic() - t0, 2)}, quant, platform.vllm_device
 
 

