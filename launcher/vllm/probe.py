@@ -61,6 +61,9 @@ def load(p):
 d = sys.argv[1]
 hq = (load(os.path.join(d, "config.json")) or {}).get("quantization_config") \
     or load(os.path.join(d, "hf_quant_config.json")) or {}
+if not hq:
+    print("QUANT " + json.dumps({"quant_error": f"no quantization_config or hf_quant_config.json in {d}"}))
+    sys.exit(0)
 try:
     from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS, get_quantization_config
     method = None
