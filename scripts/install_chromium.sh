@@ -2,7 +2,7 @@
 # Install headless Chromium (Debian's `chromium` package, /usr/bin/chromium) for the browser test of
 # `launch report` (tests/test_report_browser.py).  Idempotent: does nothing when chromium is present.
 # The test runs it with a fresh --user-data-dir and the flags that keep it off the network
-# (launcher.report.browser.CHROMIUM_FLAGS); no service is started.
+# (tests/test_report_browser.py, CHROMIUM_FLAGS); no service is started.
 set -euo pipefail
 
 find_chromium() {
