@@ -176,3 +176,25 @@ def test_report_usage_errors_are_one_line_and_exit_2(tmp_path):
     proc = _launch("report", str(tmp_path), "--out", str(tmp_path / "mine"))
     assert proc.returncode == 2 and "is not an earlier report" in proc.stderr
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+
+
+def test_launch_history_records_a_run_that_crashed_mid_way(tmp_path, monkeypatch, capsys):
+    import launcher.pipeline as pipeline
+    from launcher.cli import main
+    from report_runs import TINY_EXAMPLE
+
+    def crash(cfg, run, **kwargs):       # the launcher dies while quantize runs
+        run.update_run(status="running")
+        run.update_stage("quantize", status="running")
+        raise RuntimeError("launcher crashed")
+
+    monkeypatch.setattr(pipeline, "run_pipeline", crash)
+    with pytest.raises(RuntimeError, match="launcher crashed"):
+        main([TINY_EXAMPLE, "--history", "--no-check-paths", "--run-id", "r-crash", f"runs_root={tmp_path}"])
+    records, warnings = history.read_history(history.history_path(str(tmp_path)))
+    assert not warnings and len(records) == 1
+    rec = records[0]
+    assert (rec["run_id"], rec["status"], rec["example"]) == ("r-crash", INTERRUPTED, TINY_EXAMPLE)
+    assert rec["stages"]["quantize"]["status"] == "running" and rec["errors"][0].startswith(
+        "interrupted: quantize was running")
+    assert "history: interrupted run r-crash appended" in capsys.readouterr().out

@@ -86,7 +86,7 @@ def append_run_or_warn(runs_root: str, run_dir: str, example: Optional[str] = No
     warning on stderr, never the run's failure."""
     try:
         record = append_run(runs_root, run_dir, example)
-    except OSError as e:
+    except Exception as e:  # noqa: BLE001 - the run's own exit code must survive a broken history
         print(f"[launch] warning: history not written to {history_path(runs_root)}: {e}", file=sys.stderr)
         return None
     print(f"[launch] history: {record['status']} run {record['run_id']} appended to {history_path(runs_root)}",
