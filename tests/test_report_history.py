@@ -198,3 +198,20 @@ def test_launch_history_records_a_run_that_crashed_mid_way(tmp_path, monkeypatch
     assert rec["stages"]["quantize"]["status"] == "running" and rec["errors"][0].startswith(
         "interrupted: quantize was running")
     assert "history: interrupted run r-crash appended" in capsys.readouterr().out
+
+
+def test_since_and_example_select_runs():
+    import datetime as dt
+
+    from launcher.report.build import parse_since, select
+
+    now = dt.datetime(2026, 12, 4, 3, 0)
+    assert parse_since("30d", now) == dt.datetime(2026, 11, 4, 3, 0)
+    assert parse_since("2026-11-02") == dt.datetime(2026, 11, 2)
+    recs = [{"run_id": "20261101-010000-aaaa", "job_name": "tiny-fp8", "created": None},
+            {"run_id": "r2", "job_name": "tiny-nvfp4", "created": "2026-11-03T01:00:00",
+             "example": "examples/tiny/Qwen3-MoE-tiny/megatron_lm_ptq.yaml"}]
+    assert [r["run_id"] for r in select(recs, parse_since("2026-11-02"))] == ["r2"]     # run id's date
+    assert [r["run_id"] for r in select(recs, None, "tiny-fp8,nemotron*")] == ["20261101-010000-aaaa"]
+    assert [r["run_id"] for r in select(recs, None, "examples/tiny/Qwen3*")] == ["r2"]
+    assert [r["run_id"] for r in select(recs)] == ["20261101-010000-aaaa", "r2"]
