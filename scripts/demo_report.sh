@@ -11,8 +11,9 @@
 #     4. lower_bound 0.90, max_drop 0.02, calibration on 4 samples
 #   plain `launch CONFIG --history` runs:
 #     5. FP8 (job tiny-qwen3-moe-fp8), lower_bound 0.90   6. FP8, fraction 0.5, lower_bound 0.88
-#   7. an interrupted run: NVFP4, killed (SIGKILL, launcher and ranks) during its quantize stage; it
-#      has no history line - `launch report --rebuild-history` finds its run directory.
+#   7. an interrupted run: NVFP4, killed (SIGKILL: the launcher, its stage agent and every rank)
+#      during its quantize stage; it has no history line - `launch report --rebuild-history` finds
+#      its run directory.
 # Runs already in RUNS_ROOT are kept: a second call adds seven more.
 set -uo pipefail
 ROOT=${1:-runs/demo-report}
@@ -41,17 +42,26 @@ plain_run job_name=tiny-qwen3-moe-fp8 recipe=fp8_default stages.mmlu.fraction=0.
     stages.mmlu.max_drop=0.05
 
 echo "[demo-report] an interrupted run: killed during quantize"
+MARK="$ROOT/.interrupt-mark"
+touch "$MARK"
+sleep 1
 setsid launch "$EX" --history --runs-root "$ROOT" "${COMMON[@]}" stages.mmlu.max_drop=0.05 &
 LAUNCH=$!
-for _ in $(seq 1 120); do   # wait until the quantize stage's ranks run (its log has lines)
+for _ in $(seq 1 150); do   # wait until this run's quantize ranks write their log, then a little more
     sleep 2
-    if compgen -G "$ROOT/tiny-qwen3-moe-nvfp4/*/quantize/log.txt" >/dev/null \
-        && [[ -n "$(pgrep -P "$LAUNCH")" ]]; then sleep 15; break; fi
+    if [[ -n "$(find "$ROOT" -path '*/quantize/log.txt' -newer "$MARK" -size +0 2>/dev/null)" ]]; then
+        sleep 20
+        break
+    fi
 done
-STAGE_GROUPS=$(pgrep -P "$LAUNCH" || true)   # the local executor starts each stage in its own session
-kill -KILL "$LAUNCH" 2>/dev/null || true
-for pg in $STAGE_GROUPS; do kill -KILL -- "-$pg" 2>/dev/null || true; done
+# the local executor starts each stage in a session of its own, and torch's agent each rank in
+# another: freeze the whole tree first (nothing new starts), then kill every process of it
+descendants() { local p; for p in $(pgrep -P "$1"); do echo "$p"; descendants "$p"; done; }
+TREE="$LAUNCH $(descendants "$LAUNCH" | tr '\n' ' ')"
+kill -STOP $TREE 2>/dev/null || true
+kill -KILL $TREE 2>/dev/null || true
 wait "$LAUNCH" 2>/dev/null || true
+rm -f "$MARK"
 
 launch report "$ROOT" --rebuild-history
 echo "[demo-report] open $ROOT/report/index.html"
