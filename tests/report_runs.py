@@ -10,6 +10,8 @@ of the others, so its accuracy is (baseline_correct - n10 + n01) / n and the pai
 """
 from __future__ import annotations
 
+import copy
+import functools
 import os
 from dataclasses import asdict
 from types import SimpleNamespace
@@ -57,8 +59,16 @@ def gate_results(n: int, baseline_correct: int, n10: int, n01: int, lower_bound:
                                     baseline if max_drop is not None else None, {"eval_s": 1.0})
 
 
+@functools.lru_cache(maxsize=None)
+def _composed(overrides: tuple):
+    return compose_example(TINY_EXAMPLE, list(overrides))
+
+
 def compose_tiny(runs_root: str, overrides: tuple = ()):
-    return compose_example(TINY_EXAMPLE, [f"runs_root={runs_root}", *overrides])
+    """The tiny example composed with ``overrides`` (once per overrides: Hydra is slow), at ``runs_root``."""
+    cfg = copy.deepcopy(_composed(tuple(overrides)))
+    cfg.runs_root = runs_root
+    return cfg
 
 
 def make_run(runs_root: str, run_id: str, created: str, *, job_name: str = "tiny-qwen3-moe-nvfp4",
