@@ -92,10 +92,15 @@ def _rel(path: Optional[str], out_dir: str) -> Optional[str]:
 
 def checks_of(record: dict) -> dict[str, Check]:
     gate, export, vllm = record.get("gate") or {}, record.get("export") or {}, record.get("vllm_smoke") or {}
+    stages = record.get("stages") or {}
+
+    def status(stage: str) -> str:          # what a stage without results did: disabled, not_run, ...
+        return str((stages.get(stage) or {}).get("status") or "").replace("_", " ")
+
     out: dict[str, Check] = {}
     acc, bound = gate.get("accuracy"), gate.get("lower_bound")
     if acc is None:
-        out["accuracy"] = Check("", state="none", note="no gate result")
+        out["accuracy"] = Check(status("mmlu"), state="none")
     else:
         state = "info" if bound is None else ("pass" if acc >= bound else "fail")
         out["accuracy"] = Check(f"{acc:.4f} {fmt_interval(gate.get('interval'))}",
@@ -111,7 +116,7 @@ def checks_of(record: dict) -> dict[str, Check]:
     out["kl"] = Check(fmt(gate.get("mean_kl"), 5), state="info")
     out["agreement"] = Check(fmt(gate.get("agreement")), state="info")
     if not export:
-        out["export"] = Check("", state="none")
+        out["export"] = Check(status("export"), state="none")
     else:
         ok = export.get("ok")
         ratio = export.get("size_ratio")
@@ -119,7 +124,7 @@ def checks_of(record: dict) -> dict[str, Check]:
                               + (f", {ratio:.3f}\u00d7 bf16" if ratio is not None else ""),
                               state="pass" if ok else "fail" if ok is False else "info")
     if not vllm:
-        out["vllm"] = Check("", state="none")
+        out["vllm"] = Check(status("vllm_smoke"), state="none")
     elif vllm.get("skipped") is not None:
         out["vllm"] = Check("skipped", state="info", note=vllm["skipped"])
     else:
@@ -195,8 +200,9 @@ def build_view(records: list[dict], plots_by_example: dict[str, list], out_dir: 
                   "empty": p.empty, "kind": p.kind} for p in plots_by_example.get(name, [])]
         examples.append(ExampleView(name=name, anchor="ex-" + file_stem(name), runs=list(reversed(runs)),
                                     plots=plots, failures=sum(is_failure(v.record) for v in runs)))
+    # failing examples first, in the table and in the sections below it
+    examples.sort(key=lambda e: (not is_failure(e.runs[0].record), e.name))
     latest = [e.runs[0] for e in examples]
-    latest.sort(key=lambda v: (not is_failure(v.record), v.example))
     return PageView(title="PTQ nightly report", runs_root=os.path.abspath(runs_root),
                     generated=_dt.datetime.now().strftime("%Y-%m-%d %H:%M"), filters=filters,
                     n_runs=len(records), failures=failures[:MAX_FAILURES],
