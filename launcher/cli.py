@@ -5,6 +5,7 @@
     launch status RUN_DIR                        per-stage state (metadata.json, Slurm when submitted)
     launch verify EXPORT_DIR [--recipe NAME] [--source HF_DIR]
     launch suite EXAMPLES_DIR [--test-level N] [--junit FILE] [--summary FILE] [--exclude GLOB,...] [--runs-root DIR]
+    launch report RUNS_ROOT [--out DIR] [--since DATE] [--example GLOB] [--rebuild-history]
 
 Flags may stand before or after the overrides; each verb accepts its own flags only (any other
 flag is an error naming the verb's flags).  Overrides use Hydra's syntax
@@ -112,6 +113,7 @@ class RunVerb:
         ("--resume", ("RUN_DIR", "rerun in RUN_DIR the stages whose manifest does not match the config")),
         ("--run-id", ("ID", "the run directory's name (default: date-time-random)")),
         ("--runs-root", ("DIR", "where run directories go (as the override runs_root=DIR)")),
+        ("--history", (None, "append the run's record to <runs_root>/history.jsonl (for `launch report`)")),
     )
     FLAGS = tuple(f for f, _ in OPTIONS)
 
@@ -137,8 +139,14 @@ class RunVerb:
         else:
             run = RunDirectory.create(cfg, run_id=args.flag("--run-id"))
         print(f"[launch] run directory: {run.path}", flush=True)
-        return run_pipeline(cfg, run, resume=bool(resume), preflight_only=bool(args.flag("--preflight")),
-                            detach=bool(args.flag("--detach")))
+        try:
+            return run_pipeline(cfg, run, resume=bool(resume), preflight_only=bool(args.flag("--preflight")),
+                                detach=bool(args.flag("--detach")))
+        finally:   # a crash too leaves a record (status interrupted)
+            if args.flag("--history") and not args.flag("--preflight"):
+                from launcher.report.history import append_run_or_warn
+
+                append_run_or_warn(cfg.runs_root, run.path, example=args.positional[0])
 
     def dry_run(self, cfg, as_json: bool) -> int:
         from omegaconf import OmegaConf
@@ -278,7 +286,31 @@ class SuiteVerb:
                          exclude=[p for p in str(args.flag("--exclude") or "").split(",") if p])
 
 
-VERBS = {"validate": ValidateVerb, "status": StatusVerb, "verify": VerifyVerb, "suite": SuiteVerb}
+class ReportVerb:
+    """`launch report RUNS_ROOT [--out DIR] [--since DATE] [--example GLOB]`: the runs' history as a
+    static page (index.html + images; no server, no JavaScript)."""
+
+    NAME = "report"
+    USAGE = "launch report RUNS_ROOT [--out DIR] [--since DATE] [--example GLOB,...] [--rebuild-history]"
+    OPTIONS = (
+        ("--out", ("DIR", "where index.html and img/ go (default RUNS_ROOT/report)")),
+        ("--since", ("DATE", "runs started on or after DATE (2026-11-01, 2026-11-01T20:00, or 30d)")),
+        ("--example", ("GLOB,...", "only examples whose job name (or example path) matches")),
+        ("--rebuild-history", (None, "rewrite RUNS_ROOT/history.jsonl from the run directories first")),
+    )
+    FLAGS = tuple(f for f, _ in OPTIONS)
+
+    def __call__(self, args: Args) -> int:
+        from launcher.report.build import report_main
+
+        if len(args.positional) != 1:
+            raise ValueError("usage: " + self.USAGE)
+        return report_main(args.positional[0], out=args.flag("--out"), since=args.flag("--since"),
+                           example=args.flag("--example"), rebuild=bool(args.flag("--rebuild-history")))
+
+
+VERBS = {"validate": ValidateVerb, "status": StatusVerb, "verify": VerifyVerb, "suite": SuiteVerb,
+         "report": ReportVerb}
 
 
 def main(argv: Optional[list[str]] = None) -> int:

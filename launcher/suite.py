@@ -140,6 +140,10 @@ def _one_example(path: str, test_level: int, gpus: int, overrides: list[str], ru
     job_dir = os.path.join(runs_root, cfg.job_name)
     runs = sorted(os.listdir(job_dir)) if os.path.isdir(job_dir) else []
     out.run_dir = os.path.join(job_dir, runs[-1]) if runs else ""
+    if out.run_dir:   # one record per run in <runs_root>/history.jsonl, for `launch report`
+        from launcher.report.history import append_run_or_warn
+
+        append_run_or_warn(runs_root, out.run_dir, example=os.path.relpath(path))
     meta = read_json(RunLayout(out.run_dir).metadata_json) if out.run_dir else None
     results = read_json(RunLayout(out.run_dir).mmlu_results) if out.run_dir else None
     for name, st in (meta or {}).get("stages", {}).items():

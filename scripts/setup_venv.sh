@@ -5,7 +5,7 @@ set -euo pipefail
 VENV=${VENV:-.venv}
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
-STAMP="$VENV/.setup-done-v2"
+STAMP="$VENV/.setup-done-v3"
 if [[ -f "$STAMP" ]]; then exit 0; fi
 echo "[setup] creating $VENV (one time, ~3-5 min)"
 "$PY" -m venv "$VENV"
@@ -31,6 +31,6 @@ $PIP install -q gguf==0.19.0 accelerate==1.16.0
 MAMBA_SKIP_CUDA_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE $PIP install -q --no-deps --no-build-isolation \
     mamba-ssm==2.3.2.post1
 $PIP install -q einops
-$PIP install -q -e '.[test]'
+$PIP install -q -e '.[test,report]'
 touch "$STAMP"
 echo "[setup] done"
