@@ -26,6 +26,8 @@ import os
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
+from launcher.contract import UserError
+
 LETTERS = ("A", "B", "C", "D")
 SPLITS = ("test", "dev")
 KINDS = ("hf_dir", "csv_dir", "jsonl", "hub")
@@ -40,7 +42,7 @@ class Question:
     answer: int                # 0..3
 
 
-class MmluDataError(ValueError):
+class MmluDataError(UserError):
     """A dataset source that cannot be used; the message names the config key."""
 
 
