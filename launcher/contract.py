@@ -84,6 +84,14 @@ class OnUnsupported(Choice):
     fail = "fail"
 
 
+class Dtype(Choice):
+    """Parameter dtypes a stage builds its model in on CUDA (CPU always runs float32)."""
+
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+    float32 = "float32"
+
+
 def values(choices: type[StrEnum]) -> tuple[str, ...]:
     return tuple(m.value for m in choices)
 
