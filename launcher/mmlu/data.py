@@ -122,35 +122,43 @@ def _answer_index(value, where: str) -> int:
 
 
 def _question(index: int, subject: str, question: str, choices, answer, where: str) -> Question:
-    choices = list(choices)
-    if len(choices) != 4:
-        raise MmluDataError(f"{where}: expected 4 choices, got {len(choices)}")
+    if not isinstance(choices, (list, tuple)) or len(choices) != 4:
+        got = len(choices) if isinstance(choices, (list, tuple)) else type(choices).__name__
+        raise MmluDataError(f"{where}: expected 4 choices, got {got}")
+    for name, value in (("question", question), ("subject", subject)):
+        if not isinstance(value, str) or not value.strip():
+            raise MmluDataError(f"{where}: {name}={value!r}; valid: a non-empty string")
     return Question(index=index, subject=str(subject), question=str(question),
                     choices=tuple(str(c) for c in choices), answer=_answer_index(answer, where))
 
 
-def _records(rows: Iterable[dict], where: str) -> list[Question]:
+def _records(rows: Iterable[dict], where: str, places: Optional[list[str]] = None) -> list[Question]:
+    """Questions from cais-schema rows; ``places[i]`` names row i (a file's line), else
+    ``<where> record <i>``."""
     out = []
     for i, row in enumerate(rows):
+        place = places[i] if places is not None else f"{where} record {i}"
+        if not isinstance(row, dict):
+            raise MmluDataError(f"{place}: a {type(row).__name__}, not a record {{question, subject, choices, answer}}")
         missing = [k for k in ("question", "subject", "choices", "answer") if k not in row]
         if missing:
-            raise MmluDataError(f"{where} record {i}: missing keys {missing} (cais/mmlu schema: "
+            raise MmluDataError(f"{place}: missing keys {missing} (cais/mmlu schema: "
                                 f"question, subject, choices, answer)")
-        out.append(_question(i, row["subject"], row["question"], row["choices"], row["answer"],
-                             f"{where} record {i}"))
+        out.append(_question(i, row["subject"], row["question"], row["choices"], row["answer"], place))
     return out
 
 
 def _load_jsonl(path: str) -> list[Question]:
-    rows = []
+    rows, places = [], []
     with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
             if line.strip():
                 try:
                     rows.append(json.loads(line))
                 except json.JSONDecodeError as e:
-                    raise MmluDataError(f"{path}:{n}: not JSON: {e}") from e
-    return _records(rows, path)
+                    raise MmluDataError(f"{path}:{n}: not JSON: {e}; valid: one JSON object a line") from e
+                places.append(f"{path}:{n}")
+    return _records(rows, path, places)
 
 
 def _load_csv_dir(path: str, split: str) -> list[Question]:
@@ -190,6 +198,22 @@ def _load_hf_dir(path: str, split: str) -> list[Question]:
     return _records(ds, f"{path}[{split}]")
 
 
+def _parquet_rows(path: str, split: str) -> Optional[list[dict]]:
+    """The rows of the parquet layout's split read with pyarrow alone (None: no pyarrow here, or
+    not that layout); what validation reads instead of importing ``datasets``."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        return None
+    files = sorted(glob.glob(os.path.join(path, "all", f"{split}-*.parquet")))
+    if _hf_layout(path) != "parquet" or not files:
+        return None
+    rows: list[dict] = []
+    for file in files:
+        rows.extend(pq.read_table(file).to_pylist())
+    return rows
+
+
 def _load_hub(source: str, split: str) -> list[Question]:
     import datasets
 
@@ -217,6 +241,39 @@ def load_mmlu(source: str, split: str = "test", subjects: Optional[Iterable[str]
         wanted = set(subjects)
         questions = [q for q in questions if q.subject in wanted]
     return questions
+
+
+def check_contents(dataset: str, dev_dataset: Optional[str], fraction: float, few_shots: int) -> list[str]:
+    """Validation's reading of what the gate will read (no torch, no ``datasets``): every record
+    of the test split (a question, 4 choices, an answer in range, a subject), a selection that is
+    not empty, and with ``few_shots`` a dev split holding enough questions for every selected
+    subject.  One line per problem, naming the key, the file and its line or record."""
+    from launcher.mmlu.prompts import build_prompts, select_fraction
+
+    def named(e: Exception, key: str, value: str) -> list[str]:
+        text = str(e)
+        return [text if text.startswith("stages.mmlu.") else f"{key}={value!r}: {text}"]
+
+    try:
+        kind = source_kind(dataset, "stages.mmlu.dataset")
+        rows = _parquet_rows(os.path.expanduser(dataset), "test") if kind == "hf_dir" else None
+        if kind == "hub" or (kind == "hf_dir" and rows is None):
+            return []   # a hub id, a save_to_disk directory, or no pyarrow here: the stage reads it
+        questions = _records(rows, f"{dataset}[test]") if rows is not None else load_mmlu(dataset, "test")
+    except MmluDataError as e:
+        return named(e, "stages.mmlu.dataset", dataset)
+    if not questions:
+        return [f"stages.mmlu.dataset={dataset!r}: holds no questions; valid: a test split with at least one"]
+    if not few_shots or (dev_dataset and source_kind(dev_dataset, "stages.mmlu.dev_dataset") == "hf_dir"):
+        return []
+    try:
+        dev = load_dev(dataset, dev_dataset)
+        build_prompts(select_fraction(questions, fraction), dev, few_shots)
+    except MmluDataError as e:
+        return named(e, "stages.mmlu.dev_dataset", dev_dataset) if dev_dataset else [str(e)]
+    except ValueError as e:   # build_prompts: too few dev questions for a subject (names the key)
+        return [str(e)]
+    return []
 
 
 def load_dev(dataset: str, dev_dataset: Optional[str] = None) -> list[Question]:
