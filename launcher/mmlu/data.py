@@ -19,6 +19,7 @@ Sources (``stages.mmlu.dataset`` / ``stages.mmlu.dev_dataset``), detected by ``s
 """
 from __future__ import annotations
 
+import contextlib
 import csv
 import glob
 import json
@@ -221,6 +222,17 @@ def _load_hub(source: str, split: str) -> list[Question]:
     return _records(ds, f"{source}[{split}]")
 
 
+@contextlib.contextmanager
+def _named(key: str, source: str):
+    """A record's problem, prefixed with the config key that named the file."""
+    try:
+        yield
+    except MmluDataError as e:
+        if str(e).startswith("stages.mmlu."):
+            raise
+        raise MmluDataError(f"{key}={source!r}: {e}") from e
+
+
 def load_mmlu(source: str, split: str = "test", subjects: Optional[Iterable[str]] = None,
               key: str = "stages.mmlu.dataset") -> list[Question]:
     """The questions of one split of ``source``; ``subjects`` filters (indices stay those of
@@ -229,14 +241,10 @@ def load_mmlu(source: str, split: str = "test", subjects: Optional[Iterable[str]
         raise MmluDataError(f"split={split!r}: valid splits are {list(SPLITS)}")
     kind = source_kind(source, key)
     path = os.path.expanduser(source)
-    if kind == "jsonl":
-        questions = _load_jsonl(path)
-    elif kind == "csv_dir":
-        questions = _load_csv_dir(path, split)
-    elif kind == "hf_dir":
-        questions = _load_hf_dir(path, split)
-    else:
-        questions = _load_hub(source, split)
+    loaders = {"jsonl": lambda: _load_jsonl(path), "csv_dir": lambda: _load_csv_dir(path, split),
+               "hf_dir": lambda: _load_hf_dir(path, split), "hub": lambda: _load_hub(source, split)}
+    with _named(key, source):
+        questions = loaders[kind]()
     if subjects is not None:
         wanted = set(subjects)
         questions = [q for q in questions if q.subject in wanted]
@@ -282,7 +290,8 @@ def load_dev(dataset: str, dev_dataset: Optional[str] = None) -> list[Question]:
     if dev_dataset:
         kind = source_kind(dev_dataset, "stages.mmlu.dev_dataset")
         if kind == "jsonl":
-            return _load_jsonl(os.path.expanduser(dev_dataset))
+            with _named("stages.mmlu.dev_dataset", dev_dataset):
+                return _load_jsonl(os.path.expanduser(dev_dataset))
         return load_mmlu(dev_dataset, "dev", key="stages.mmlu.dev_dataset")
     if source_kind(dataset) == "jsonl":
         raise MmluDataError(

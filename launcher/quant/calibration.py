@@ -47,8 +47,20 @@ def _jsonl_records(path: str) -> Iterable[tuple[dict, str]]:
                     raise UserError(f"{path}:{lineno}: not JSON: {e}; valid: one JSON object a line") from e
 
 
+def _named(path: str, e: Exception) -> UserError:
+    text = str(e)
+    return UserError(text if text.startswith("stages.quantize.") else f"stages.quantize.calib.dataset={path!r}: {text}")
+
+
 def load_calibration_texts(path: str, size: int, text_key: str = "text", tokenizer=None) -> list[str]:
-    """Up to ``size`` non-empty texts from ``path`` (in file order)."""
+    """Up to ``size`` non-empty texts from ``path`` (in file order); UserError naming the key."""
+    try:
+        return _load_texts(path, size, text_key, tokenizer)
+    except UserError as e:
+        raise _named(path, e) from e
+
+
+def _load_texts(path: str, size: int, text_key: str, tokenizer) -> list[str]:
     if size < 1:
         raise ValueError(f"calib.size must be >= 1, got {size}")
     if not os.path.exists(path):
@@ -107,7 +119,7 @@ def check_contents(path: str, size: int, text_key: str) -> list[str]:
         else:
             load_calibration_texts(path, size, text_key)   # its refusal names what is valid
     except (UserError, UnicodeDecodeError) as e:
-        return [f"{key}={path!r}: {e}"]
+        return [str(_named(path, e))]
     if texts == 0:
         return [f"{key}={path!r}: holds no calibration text; valid: a file with at least "
                 f"stages.quantize.calib.size={size} texts"]
