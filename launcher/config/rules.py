@@ -18,8 +18,10 @@ for every value its rule refuses; path rules of a disabled stage are not checked
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import re
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -170,27 +172,31 @@ def rule_of(f: dataclasses.Field) -> Any:
 def problems(cfg: DictConfig, check_paths: bool) -> list[tuple[str, Any, str]]:
     """(key, value, problem) for every value of ``cfg`` its field's rule refuses."""
     out: list[tuple[str, Any, str]] = []
-    _walk(cfg, "", cfg, check_paths, out)
+    data = OmegaConf.to_container(cfg, resolve=True)   # one conversion: the walk reads plain values
+    _walk(data, OmegaConf.get_type(cfg), "", cfg, check_paths, out, {"executor": OmegaConf.get_type(cfg.executor)})
     return out
 
 
-def _walk(node: DictConfig, prefix: str, root: DictConfig, check_paths: bool, out: list) -> None:
-    schema = OmegaConf.get_type(node)
-    if not dataclasses.is_dataclass(schema):
-        return
+@functools.lru_cache(maxsize=None)
+def _hints(schema: type) -> dict[str, Any]:
+    return typing.get_type_hints(schema)
+
+
+def _walk(data: dict, schema: type, prefix: str, root: DictConfig, check_paths: bool, out: list,
+          nested: dict[str, type]) -> None:
+    hints = _hints(schema)
     for f in dataclasses.fields(schema):
         key = prefix + f.name
-        if f.name not in node or OmegaConf.is_missing(node, f.name):
-            continue
-        value = node[f.name]
-        if isinstance(value, DictConfig):
+        value = data.get(f.name, MISSING)
+        child = nested.get(key) or hints.get(f.name)
+        if isinstance(value, dict) and dataclasses.is_dataclass(child):
             stage = key.split(".")[1] if key.startswith("stages.") and key.count(".") == 1 else None
-            _walk(value, key + ".", root, check_paths and (stage is None or bool(value.enabled)), out)
+            _walk(value, child, key + ".", root, check_paths and (stage is None or bool(value.get("enabled"))),
+                  out, nested)
             continue
         rule = rule_of(f)
-        if rule is None or value is None:
+        if rule is None or value is None or value == MISSING:
             continue
-        optional = f.default is None
-        problem = rule.problem(f.name, value, optional, root, check_paths)
+        problem = rule.problem(f.name, value, f.default is None, root, check_paths)
         if problem:
             out.append((key, value, problem))

@@ -126,7 +126,7 @@ def _check_model(cfg: DictConfig, err: _Errors, check_paths: bool) -> None:
 def _check_recipe(cfg: DictConfig, err: _Errors) -> bool:
     """The recipe's own checker (what the quantize stage runs first), then its YAML's content;
     True when both accept it."""
-    from launcher.quant.recipe_yaml import check_recipe_file
+    from launcher.quant.recipe_yaml import check_modelopt_cfg, check_recipe_file
     from launcher.quant.recipes import validate_recipe
 
     r = cfg.recipe
@@ -136,7 +136,7 @@ def _check_recipe(cfg: DictConfig, err: _Errors) -> bool:
         err.lines.append(str(e) + ("" if r.modelopt_cfg or r.recipe_path or r.format == "none"
                                    else f"; recipes: {', '.join(recipe_names())}"))
         return False
-    problems = check_recipe_file(r.recipe_path, "recipe.recipe_path") if r.recipe_path else []
+    problems = check_recipe_file(r.recipe_path) if r.recipe_path else check_modelopt_cfg(r.modelopt_cfg or "")
     err.lines.extend(problems)
     return not problems
 

@@ -13,8 +13,10 @@ disk, not imported); those are ModelOpt's own and are not re-checked here.
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
+import re
 from typing import Any, Optional
 
 TOP_KEYS = ("imports", "metadata", "quantize")
@@ -31,6 +33,27 @@ def builtin_recipe(name: str) -> Optional[str]:
             if name and os.path.isfile(os.path.join(root, name + suffix)):
                 return os.path.join(root, name + suffix)
     return None
+
+
+@functools.lru_cache(maxsize=1)
+def modelopt_config_names() -> Optional[tuple[str, ...]]:
+    """The ``*_CFG`` configs ``modelopt.torch.quantization`` defines, read from its config module's
+    source (importing it imports torch); None where ModelOpt is not installed (a login node)."""
+    spec = importlib.util.find_spec("modelopt")
+    roots = list(spec.submodule_search_locations or []) if spec is not None else []
+    for root in roots:
+        source = os.path.join(root, "torch", "quantization", "config.py")
+        if os.path.isfile(source):
+            with open(source, encoding="utf-8") as f:
+                return tuple(sorted(set(re.findall(r"^([A-Z][A-Z0-9_]*_CFG)\b\s*[:=]", f.read(), re.MULTILINE))))
+    return None
+
+
+def check_modelopt_cfg(name: str, key: str = "recipe.modelopt_cfg") -> list[str]:
+    names = modelopt_config_names()
+    if names is None or name in names:
+        return []
+    return [f"{key}={name!r}: not a ModelOpt quantization config; valid: {', '.join(names)}"]
 
 
 def check_recipe_file(recipe_path: str, key: str = "recipe.recipe_path") -> list[str]:
