@@ -183,6 +183,9 @@ CASES = [
      "launch: {tmp}/run/metadata.json: lacks ['stages']"),
     ("resume-not-a-run", lambda i: i.validate()[1:] + [f"--resume={i.dir('adir')}"], 2,
      "launch: --resume {tmp}/adir: not a run directory (no metadata.json)"),
+    ("suite-no-examples", lambda i: ["suite", i.dir("adir")], 2, "launch: no example YAML under {tmp}/adir"),
+    ("suite-test-level", lambda i: ["suite", i.dir("adir"), "--test-level", "two"], 2,
+     "launch: --test-level two: valid: an integer >= 0"),
     # -- exports (launch verify) ---------------------------------------------------------------------------
     ("verify-missing", lambda i: ["verify", f"{i.tmp}/nope"], 2, "export directory '{tmp}/nope' does not exist"),
     ("verify-index-not-json", lambda i: ["verify", _export(i, {"model.safetensors.index.json": '{"weight_map": '})], 2,
@@ -231,7 +234,22 @@ def test_a_bad_input_is_refused_naming_it_without_a_traceback(inputs, capsys, bu
 
 def test_the_corpus_covers_every_kind_of_input():
     kinds = {c[0].split("-")[0] for c in CASES}
-    assert len(CASES) >= 30 and {"mmlu", "calib", "recipe", "config", "status", "verify", "runs"} <= kinds
+    assert len(CASES) >= 30 and {"mmlu", "calib", "recipe", "config", "status", "suite", "verify", "runs"} <= kinds
+
+
+MMLU_TEST = os.path.join(os.path.dirname(ROOT), "shared", "data", "mmlu", "test.jsonl")
+
+
+@pytest.mark.skipif(not os.path.isfile(MMLU_TEST), reason="the full MMLU test split is not on this machine")
+def test_reading_the_full_mmlu_split_is_bounded():
+    """What validate reads of the full split (14,042 questions) costs well under a second of CPU."""
+    import time
+
+    from launcher.mmlu.data import check_contents
+
+    t = time.process_time()
+    assert check_contents(MMLU_TEST, None, 0.01, 0) == []
+    assert time.process_time() - t < 1.0
 
 
 def test_report_user_error_prints_one_line_per_problem_and_logs_the_traceback(tmp_path, capsys):

@@ -161,7 +161,7 @@ def _load_jsonl(path: str) -> list[Question]:
         rows = []
         for n, line in lines:
             try:
-                rows.append(json.loads(line))
+                rows.append(json.loads(line.rstrip("\r\n")))   # the error's column is the line's
             except json.JSONDecodeError as e:
                 raise MmluDataError(f"{path}:{n}: not JSON: {e}; valid: one JSON object a line") from e
     return _records(rows, path, places)

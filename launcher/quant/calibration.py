@@ -42,7 +42,7 @@ def _jsonl_records(path: str) -> Iterable[tuple[dict, str]]:
         for lineno, line in enumerate(f, 1):
             if line.strip():
                 try:
-                    yield json.loads(line), f"{path}:{lineno}"
+                    yield json.loads(line.rstrip("\r\n")), f"{path}:{lineno}"
                 except json.JSONDecodeError as e:
                     raise UserError(f"{path}:{lineno}: not JSON: {e}; valid: one JSON object a line") from e
 
