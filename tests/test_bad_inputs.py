@@ -219,8 +219,10 @@ def inputs(tmp_path):
     return Inputs(tmp_path)
 
 
-def test_the_base_inputs_validate(inputs, capsys):
-    assert main(inputs.validate()) == 0, capsys.readouterr().err
+@pytest.mark.parametrize("overrides", [[], ["recipe=none"], ["recipe=fp8_default"], ["recipe=nvfp4_mlp_weight_only"],
+                                       ["executor=slurm"], ["stages.quantize.dtype=float16"]])
+def test_the_base_inputs_validate(inputs, capsys, overrides):
+    assert main(inputs.validate(*overrides)) == 0, capsys.readouterr().err
 
 
 @pytest.mark.parametrize("build, code, fragment", [c[1:] for c in CASES], ids=[c[0] for c in CASES])

@@ -136,7 +136,8 @@ def _check_recipe(cfg: DictConfig, err: _Errors) -> bool:
         err.lines.append(str(e) + ("" if r.modelopt_cfg or r.recipe_path or r.format == "none"
                                    else f"; recipes: {', '.join(recipe_names())}"))
         return False
-    problems = check_recipe_file(r.recipe_path) if r.recipe_path else check_modelopt_cfg(r.modelopt_cfg or "")
+    problems = check_recipe_file(r.recipe_path) if r.recipe_path else \
+        check_modelopt_cfg(r.modelopt_cfg) if r.modelopt_cfg else []
     err.lines.extend(problems)
     return not problems
 
