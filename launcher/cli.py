@@ -226,7 +226,7 @@ class StatusVerb:
             from launcher.executors.slurm import SlurmExecutor
 
             slurm_states = SlurmExecutor.status(run.path)
-        print(f"run {meta['run_id']} ({meta['job_name']}): {meta.get('status')}")
+        print(f"run {meta.get('run_id')} ({meta.get('job_name')}): {meta.get('status')}")
         worst = 0
         for name, st in meta["stages"].items():
             state = slurm_states.get(name, st.get("status"))

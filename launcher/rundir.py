@@ -136,10 +136,9 @@ class RunDirectory:
                             "damaged one") from e
         if data is None:
             raise UserError(f"{self.path}: not a run directory (no metadata.json)")
-        missing = [k for k in ("run_id", "job_name", "stages") if not isinstance(data, dict) or k not in data]
-        if missing or not isinstance(data["stages"], dict):
-            raise UserError(f"{path}: lacks {missing or ['stages (a mapping)']}: valid metadata.json has run_id, "
-                            "job_name and stages {name: {status, ...}}")
+        if not isinstance(data, dict) or not isinstance(data.get("stages"), dict):
+            raise UserError(f"{path}: lacks 'stages' (a mapping); valid metadata.json has run_id, job_name and "
+                            "stages {name: {status, ...}}")
         return data
 
     def write_metadata(self, data: dict[str, Any]) -> None:

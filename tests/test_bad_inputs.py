@@ -180,7 +180,7 @@ CASES = [
     ("status-not-a-run", lambda i: i.run_dir(None), 2, "launch: {tmp}/run: not a run directory (no metadata.json)"),
     ("status-metadata-not-json", lambda i: i.run_dir("{trunc"), 2, "launch: {tmp}/run/metadata.json: not valid JSON"),
     ("status-metadata-no-stages", lambda i: i.run_dir('{"run_id": "x", "job_name": "j"}'), 2,
-     "launch: {tmp}/run/metadata.json: lacks ['stages']"),
+     "launch: {tmp}/run/metadata.json: lacks 'stages' (a mapping)"),
     ("resume-not-a-run", lambda i: i.validate()[1:] + [f"--resume={i.dir('adir')}"], 2,
      "launch: --resume {tmp}/adir: not a run directory (no metadata.json)"),
     ("suite-no-examples", lambda i: ["suite", i.dir("adir")], 2, "launch: no example YAML under {tmp}/adir"),

@@ -227,13 +227,15 @@ def _check_calibration_at_ep(cfg: DictConfig, err: _Errors) -> None:
 def _check_mmlu(cfg: DictConfig, err: _Errors, warnings: list[str], check_paths: bool) -> None:
     from launcher.mmlu.batching import check_batch_size
     from launcher.mmlu.gate import check_gate_config  # pure Python
+    from launcher.mmlu.sharding import resolve_mode
 
     m = cfg.stages.mmlu
     if not m.enabled:
         return
     key = "stages.mmlu"
     for check, args in ((check_gate_config, (m.lower_bound, m.max_drop, m.baseline, m.baseline_accuracy)),
-                        (check_batch_size, (m.batch_size,))):
+                        (check_batch_size, (m.batch_size,)),
+                        (resolve_mode, (m.shard_mode, m.parallel.ep, m.allow_unsafe_shard_mode))):
         try:
             check(*args)
         except ValueError as e:   # their messages name the key and the valid values
@@ -248,10 +250,6 @@ def _check_mmlu(cfg: DictConfig, err: _Errors, warnings: list[str], check_paths:
                     f"stages.mmlu.baseline=evaluate (or set stages.mmlu.baseline_cache_dir)")
     if m.lower_bound is None and m.max_drop is None:
         warnings.append("stages.mmlu has neither lower_bound nor max_drop: the gate always passes")
-    if m.shard_mode == "dense_dp" and m.parallel.ep > 1 and not m.allow_unsafe_shard_mode:
-        err.add(f"{key}.shard_mode", m.shard_mode,
-                f"shards batches over the dense data-parallel group, which desyncs the expert all-to-all at "
-                f"ep={m.parallel.ep}; use auto, balanced or lockstep")
     if not check_paths and m.few_shots and m.dataset.endswith(".jsonl") and not m.dev_dataset:
         err.add(f"{key}.few_shots", m.few_shots, "a jsonl dataset has no dev split: set stages.mmlu.dev_dataset")
     if not cfg.stages.quantize.enabled and cfg.recipe.format != "none":
