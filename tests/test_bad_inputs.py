@@ -290,3 +290,20 @@ def test_a_stage_that_meets_a_bad_data_file_fails_in_one_line_and_logs_the_trace
     assert "Traceback" not in out
     (log,) = [os.path.join(r, f) for r, _, fs in os.walk(tmp_path / "runs") for f in fs if f == "log.txt"]
     assert "traceback of the error above (log only):\nTraceback (most recent call last):" in open(log).read()
+
+
+def test_an_hf_parquet_dataset_is_read_record_by_record(inputs, capsys):
+    """The cais/mmlu parquet layout is read with pyarrow alone (no datasets import): a bad record is
+    named by its split and index."""
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+
+    root = inputs.tmp / "cais"
+    (root / "all").mkdir(parents=True)
+    rows = [_q(0), _q(1, answer=9)]
+    pq.write_table(pa.Table.from_pylist(rows), str(root / "all" / "test-00000-of-00001.parquet"))
+    assert main(inputs.validate(f"stages.mmlu.dataset={root}")) == 2
+    err = capsys.readouterr().err
+    assert f"stages.mmlu.dataset='{root}': {root}[test] record 1: answer=9 is not one of 0-3 or A-D" in err, err
+    pq.write_table(pa.Table.from_pylist(rows[:1]), str(root / "all" / "test-00000-of-00001.parquet"))
+    assert main(inputs.validate(f"stages.mmlu.dataset={root}")) == 0, capsys.readouterr().err
