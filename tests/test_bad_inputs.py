@@ -194,6 +194,8 @@ CASES = [
      "{tmp}/export/hf_quant_config.json: not a JSON object with quantization.quant_algo"),
     ("verify-truncated-safetensors", lambda i: ["verify", _export(i, {"model.safetensors": b"\x10" + b"\0" * 7 + b"{}"})], 2,
      "{tmp}/export/model.safetensors: corrupt safetensors header (claims 16 bytes, file has 10)"),
+    ("verify-config-json-list", lambda i: ["verify", _export(i, {"config.json": "[1]"})], 1,
+     "FAIL: config.json: holds a JSON list, not an object"),
     ("verify-config-json-not-json", lambda i: ["verify", _export(i, {"config.json": "{bad"})], 1,
      "FAIL: config.json: cannot read it (JSONDecodeError"),
 ]
