@@ -21,7 +21,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Optional
 
-from launcher.contract import ExitCode, JobState, StageStatus
+from launcher.contract import ExitCode, JobState, StageStatus, UserError
 
 EXIT_USAGE = ExitCode.USAGE
 _HELP = ("--help", "-h")
@@ -37,10 +37,10 @@ class Args:
 
 
 class _VerbParser(argparse.ArgumentParser):
-    """argparse, with its usage errors raised as ValueError (main prints them and exits 2)."""
+    """argparse, with its usage errors raised as UserError (main prints them and exits 2)."""
 
     def error(self, message: str):
-        raise ValueError(message)
+        raise UserError(message)
 
 
 def verb_parser(verb: Optional[type] = None) -> argparse.ArgumentParser:
@@ -72,9 +72,9 @@ def parse_args(argv: list[str], verb: Optional[type] = None) -> Args:
         key = tok.split("=", 1)[0]
         if tok.startswith("-") and not tok.startswith("--=") and ("=" not in tok or tok.startswith("--")):
             if key not in valid:
-                raise ValueError(_unknown_flag(key, verb, valid))
+                raise UserError(_unknown_flag(key, verb, valid))
             if tok in value_flags and i + 1 >= len(argv):
-                raise ValueError(f"{tok} needs a value")
+                raise UserError(f"{tok} needs a value")
     ns = vars(parser.parse_intermixed_args(argv))
     flags = {k: v for k, v in ns.items() if k != "positional" and v not in (None, False)}
     return Args(positional=list(ns["positional"]), flags=flags)
@@ -92,7 +92,7 @@ def _compose(args: Args):
     from launcher.config.compose import compose_example
 
     if not args.positional:
-        raise ValueError("missing CONFIG: the path of an example YAML (e.g. examples/tiny/Qwen3-MoE-tiny/megatron_lm_ptq.yaml)")
+        raise UserError("missing CONFIG: the path of an example YAML (e.g. examples/tiny/Qwen3-MoE-tiny/megatron_lm_ptq.yaml)")
     config, overrides = args.positional[0], args.positional[1:]
     if args.flag("--runs-root"):
         overrides = [*overrides, f"runs_root={args.flag('--runs-root')}"]
@@ -134,7 +134,7 @@ class RunVerb:
         if resume:
             run = RunDirectory(resume)
             if not run.is_run_directory():
-                raise ValueError(f"--resume {resume}: not a run directory (no metadata.json)")
+                raise UserError(f"--resume {resume}: not a run directory (no metadata.json)")
             run.write_config(cfg)
         else:
             run = RunDirectory.create(cfg, run_id=args.flag("--run-id"))
@@ -224,17 +224,17 @@ class StatusVerb:
         from launcher.rundir import RunDirectory
 
         if not args.positional:
-            raise ValueError("usage: launch status RUN_DIR")
+            raise UserError("usage: launch status RUN_DIR")
         run = RunDirectory(args.positional[0])
         if not run.is_run_directory():
-            raise ValueError(f"{args.positional[0]}: not a run directory (no metadata.json)")
+            raise UserError(f"{args.positional[0]}: not a run directory (no metadata.json)")
         meta = run.metadata()
         slurm_states: dict = {}
         if meta.get("executor") == "slurm":
             from launcher.executors.slurm import SlurmExecutor
 
             slurm_states = SlurmExecutor.status(run.path)
-        print(f"run {meta['run_id']} ({meta['job_name']}): {meta.get('status')}")
+        print(f"run {meta.get('run_id')} ({meta.get('job_name')}): {meta.get('status')}")
         worst = 0
         for name, st in meta["stages"].items():
             state = slurm_states.get(name, st.get("status"))
@@ -279,8 +279,11 @@ class SuiteVerb:
         from launcher.suite import run_suite
 
         if not args.positional:
-            raise ValueError("usage: launch suite EXAMPLES_DIR [--test-level N] [--junit FILE]")
-        return run_suite(args.positional[0], test_level=int(args.flag("--test-level", 0)),
+            raise UserError("usage: launch suite EXAMPLES_DIR [--test-level N] [--junit FILE]")
+        level = str(args.flag("--test-level", 0))
+        if not level.isdigit():
+            raise UserError(f"--test-level {level}: valid: an integer >= 0")
+        return run_suite(args.positional[0], test_level=int(level),
                          junit=args.flag("--junit"), summary=args.flag("--summary"),
                          overrides=args.positional[1:], runs_root=args.flag("--runs-root"),
                          exclude=[p for p in str(args.flag("--exclude") or "").split(",") if p])
@@ -315,8 +318,6 @@ VERBS = {"validate": ValidateVerb, "status": StatusVerb, "verify": VerifyVerb, "
 
 def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    from launcher.config.compose import ConfigError
-
     try:
         verb_cls = VERBS.get(argv[0]) if argv else None
         if verb_cls is not None and not os.path.exists(argv[0]):
@@ -332,10 +333,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 print(verb_parser(RunVerb).format_help())
             return 0 if argv else EXIT_USAGE
         return verb_cls()(args)
-    except ConfigError as e:
-        print(f"launch: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    except ValueError as e:
+    except UserError as e:   # the user's input (ConfigError, a data file, a path): its lines, no traceback
         print(f"launch: {e}", file=sys.stderr)
         return EXIT_USAGE
 

@@ -7,6 +7,8 @@ imports.
   * ``JobState``    a finished job's state, as Slurm names it (the local executor reports the same);
   * ``ExitCode``    what a rank, a stage and ``launch`` exit with;
   * ``StageFailed`` what a stage raises to fail with an exit code;
+  * ``UserError``   a mistake in the user's input (config, data file, recipe, path): one line per
+    problem on the console, never a traceback (``problems``, ``report_user_error``);
   * ``write_json_atomic`` / ``write_text_atomic`` / ``atomic_dir``: outputs appear whole or not at all;
   * the secret rule (``is_secret``, ``split_secrets``, ``MASK``): which environment variables are
     never written to a file;
@@ -82,6 +84,14 @@ class OnUnsupported(Choice):
     fail = "fail"
 
 
+class Dtype(Choice):
+    """Parameter dtypes a stage builds its model in on CUDA (CPU always runs float32)."""
+
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+    float32 = "float32"
+
+
 def values(choices: type[StrEnum]) -> tuple[str, ...]:
     return tuple(m.value for m in choices)
 
@@ -133,6 +143,30 @@ class StageFailed(RuntimeError):
     def __init__(self, message: str, exit_code: int = ExitCode.FAILED):
         super().__init__(message)
         self.exit_code = exit_code
+
+
+class UserError(ValueError):
+    """A mistake in the user's input - a config value, a data file, a recipe, a path - found by
+    validation, a verb or a stage.  Its message names the input (key, file and line or record),
+    what was found and what is valid, one problem per line.  ``launch`` prints those lines and no
+    traceback (exit 2 before anything starts); a stage prints them and sends the traceback to its
+    log only.  Any other exception is a bug and keeps its traceback on the console."""
+
+    @property
+    def problems(self) -> list[str]:
+        return [line.strip() for line in str(self).splitlines() if line.strip()]
+
+
+def report_user_error(prefix: str, error: UserError, log_path: str, traceback_text: str, console) -> None:
+    """A stage rank's report of a ``UserError``: one console line per problem, the traceback
+    appended to the stage's log only (the console is the launcher's tee of the rank's output)."""
+    for line in error.problems:
+        print(f"{prefix} STAGE FAILED: {line}", file=console, flush=True)
+    try:
+        with open(log_path, "a") as f:
+            f.write(f"{prefix} traceback of the error above (log only):\n{traceback_text}")
+    except OSError:
+        pass   # the stage's directory is gone: the console lines are the report
 
 
 # -- atomic writers -------------------------------------------------------------------------------

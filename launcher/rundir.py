@@ -22,7 +22,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from launcher.contract import (
-    MASK, STAGE_ORDER, RunLayout, StageStatus, is_secret, write_json_atomic, write_text_atomic)
+    MASK, STAGE_ORDER, RunLayout, StageStatus, UserError, is_secret, write_json_atomic, write_text_atomic)
 
 # statuses in metadata.json
 PENDING, RUNNING, COMPLETED, FAILED, SKIPPED, DISABLED, CANCELLED = (
@@ -126,8 +126,19 @@ class RunDirectory:
 
     # -- metadata -------------------------------------------------------------------------
     def metadata(self) -> dict[str, Any]:
-        data = read_json(self.layout.metadata_json)
-        assert data is not None, f"no metadata.json in {self.path}"
+        """metadata.json; UserError naming the file when it is not what a run writes (hand-edited,
+        truncated by a full disk, another tool's file)."""
+        path = self.layout.metadata_json
+        try:
+            data = read_json(path)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise UserError(f"{path}: not valid JSON ({e}): not a run directory this launcher wrote, or a "
+                            "damaged one") from e
+        if data is None:
+            raise UserError(f"{self.path}: not a run directory (no metadata.json)")
+        if not isinstance(data, dict) or not isinstance(data.get("stages"), dict):
+            raise UserError(f"{path}: lacks 'stages' (a mapping); valid metadata.json has run_id, job_name and "
+                            "stages {name: {status, ...}}")
         return data
 
     def write_metadata(self, data: dict[str, Any]) -> None:

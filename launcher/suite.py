@@ -22,7 +22,7 @@ from xml.etree import ElementTree as ET
 from launcher.config.compose import ConfigError, compose_example
 from launcher.config.hf_card import read_hf_config
 from launcher.config.validate import enabled_stages, stage_dims, validate
-from launcher.contract import RunLayout, StageName
+from launcher.contract import RunLayout, StageName, UserError
 from launcher.rundir import read_json
 
 GPU_ONLY_ARCHITECTURES = {"NemotronHForCausalLM": "needs Mamba kernels (mamba_ssm, CUDA)"}
@@ -73,7 +73,7 @@ def run_suite(examples_dir: str, test_level: int = 0, junit: Optional[str] = Non
     reported as skipped instead of run."""
     paths = sorted(glob.glob(os.path.join(examples_dir, "**", "*.yaml"), recursive=True))
     if not paths:
-        raise ValueError(f"no example YAML under {examples_dir}")
+        raise UserError(f"no example YAML under {examples_dir}")
     runs_root, overrides = suite_runs_root(list(overrides), runs_root)
     gpus = gpu_count()
     outcomes = []
@@ -105,7 +105,7 @@ def suite_runs_root(overrides: list[str], runs_root: Optional[str]) -> tuple[str
     given = [o.split("=", 1)[1] for o in overrides if o.lstrip("+").startswith("runs_root=")]
     rest = [o for o in overrides if not o.lstrip("+").startswith("runs_root=")]
     if given and runs_root and os.path.abspath(given[-1]) != os.path.abspath(runs_root):
-        raise ValueError(f"runs_root={given[-1]} and --runs-root {runs_root} disagree: give one of them")
+        raise UserError(f"runs_root={given[-1]} and --runs-root {runs_root} disagree: give one of them")
     root = runs_root or (given[-1] if given else os.path.join("runs", "suite-" + time.strftime("%Y%m%d-%H%M%S")))
     return os.path.abspath(root), rest
 

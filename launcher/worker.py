@@ -12,7 +12,7 @@ import sys
 import time
 import traceback
 
-from launcher.contract import ExitCode, RunLayout, StageFailed, StageName
+from launcher.contract import ExitCode, RunLayout, StageFailed, StageName, UserError, report_user_error
 
 
 def share_kernel_caches(cache_root: str, env=os.environ) -> dict[str, str]:
@@ -120,6 +120,10 @@ def _run_stage(spec, ctx, cfg, run_dir, rank, world, device, t0, shutdown) -> in
     except StageFailed as e:
         print(f"[{stage} r{rank}] STAGE FAILED: {e}", file=sys.stderr, flush=True)
         _flush_and_exit(e.exit_code)
+    except UserError as e:   # the user's input: its lines on the console, the traceback in the log only
+        report_user_error(f"[{stage} r{rank}]", e, RunLayout(run_dir).log(stage), traceback.format_exc(),
+                          sys.stderr)
+        _flush_and_exit(ExitCode.FAILED)
     except Exception as e:  # noqa: BLE001 - every rank reports its own traceback, then exits non-zero
         # the first line says what (the Slurm executor reports it): e.g. gloo's "Connection closed by peer [addr]"
         what = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"

@@ -43,7 +43,7 @@ def test_the_quantize_stage_refuses_the_same_formats_from_the_same_table():
 
     with pytest.raises(ValueError) as e:
         validate_recipe(RecipeConfig(name="int8", format="int8_sq", modelopt_cfg="INT8_SMOOTHQUANT_CFG"))
-    assert str(e.value) == ("recipe 'int8': format='int8_sq' is not supported end to end: the quantize stage has "
+    assert str(e.value) == ("recipe.format='int8_sq': not supported end to end: the quantize stage has "
                             f"no recipe check for it (INT8 SmoothQuant) and {NO_VERIFIER}; valid values: nvfp4, fp8, none")
 
 

@@ -128,7 +128,7 @@ def test_hub_id_offline_vs_online(monkeypatch):
 def test_bad_records(tmp_path):
     p = tmp_path / "bad.jsonl"
     p.write_text(json.dumps({"question": "q", "subject": "s", "choices": ["a", "b"], "answer": 0}) + "\n")
-    with pytest.raises(MmluDataError, match="record 0: expected 4 choices, got 2"):
+    with pytest.raises(MmluDataError, match=r"bad.jsonl:1: expected 4 choices, got 2"):
         load_mmlu(str(p))
     p.write_text(json.dumps({"question": "q", "subject": "s", "choices": list("abcd"), "answer": 7}) + "\n")
     with pytest.raises(MmluDataError, match=r"answer=7 is not one of 0-3 or A-D"):

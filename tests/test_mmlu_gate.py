@@ -49,9 +49,9 @@ def test_no_questions_fails():
 def test_config_checks():
     check_gate_config(0.5, None, "none", None)
     check_gate_config(None, 0.02, "evaluate", None)
-    with pytest.raises(ValueError, match=r"stages.mmlu.baseline='recorded' needs stages.mmlu.baseline_accuracy"):
+    with pytest.raises(ValueError, match=r"stages.mmlu.baseline_accuracy=None: required with baseline=recorded"):
         check_gate_config(None, 0.02, "recorded", None)
-    with pytest.raises(ValueError, match=r"stages.mmlu.max_drop=0.02 needs a baseline"):
+    with pytest.raises(ValueError, match=r"stages.mmlu.max_drop=0.02: needs a baseline"):
         check_gate_config(None, 0.02, "none", None)
     with pytest.raises(ValueError, match=r"stages.mmlu.baseline='x': valid values are \['none', 'recorded', 'evaluate', 'cached'\]"):
         check_gate_config(None, None, "x", None)

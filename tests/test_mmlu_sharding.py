@@ -93,7 +93,7 @@ def test_ep2_edp2_components_and_tp_peers():
 def test_dense_dp_refused_at_ep_gt_1():
     with pytest.raises(ValueError) as e:
         resolve_mode("dense_dp", ep=4)
-    assert "stages.mmlu.shard_mode='dense_dp' with ep=4" in str(e.value)
+    assert "stages.mmlu.shard_mode='dense_dp': shards batches over the dense data-parallel group, which desyncs the expert all-to-all at ep=4" in str(e.value)
     assert "allow_unsafe_shard_mode=true" in str(e.value)
     assert resolve_mode("dense_dp", ep=1) == "dense_dp"
     with pytest.raises(ValueError, match=r"shard_mode='fast': valid values are \['auto', 'balanced', 'lockstep', 'dense_dp'\]"):

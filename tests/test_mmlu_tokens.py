@@ -47,7 +47,7 @@ def test_auto_on_cuda_sizes_the_budget_from_the_device():
 def test_batch_size_invalid_names_key_and_valid_values(bad):
     with pytest.raises(ValueError) as e:
         resolve_limits(bad, None, "cuda", 1, 1)
-    assert str(e.value) == f"stages.mmlu.batch_size={bad!r}: valid values are 'auto' or an integer >= 1"
+    assert str(e.value) == f"stages.mmlu.batch_size={bad!r}: valid: 'auto' (token budget from the device) or an integer >= 1"
 
 
 def test_fill_cut_bounds_padding_batch_by_batch():

@@ -1,7 +1,7 @@
 """Property: what `launch validate` accepts, the later torch-free checks accept too.
 
 For every example, 150 seeded random override sets (PTQ_PROPERTY_CASES=N: N) over the schema's domain (parallel degrees of
-every stage, shard modes, dispatchers, recipes and formats, gate bounds and baselines, executor
+every stage, shard modes, dispatchers, recipes, both recipe keys and formats, dtypes, gate bounds and baselines, executor
 kind, nodes and time, stage switches, paths that exist or not).  Each composed config is given to
 ``validate``; when it accepts, everything that happens next without torch must pass as well:
 
@@ -14,7 +14,8 @@ kind, nodes and time, stage switches, paths that exist or not).  Each composed c
     (``check_format_name``).
 
 A case validate accepts that a later check rejects fails the test, naming the example and the
-overrides.  Configs are composed once per (example, executor) and the overrides applied with
+overrides.  Then, for every key of the schema, values its rule refuses (just outside a range, a
+path of the wrong kind, a bogus choice): validate refuses each, naming the key.  Configs are composed once per (example, executor) and the overrides applied with
 OmegaConf in struct mode (the schema's types still apply) and undone after each case.
 """
 from __future__ import annotations
@@ -71,6 +72,11 @@ def _domain(cfg) -> dict[str, tuple]:
         "stages.export.name": ("hf", "hf", "a/b"),
         "recipe": tuple(recipe_names()),
         "recipe.format": (None, None, None, "nvfp4", "fp8", "none", "int8_sq", "w4a8"),
+        # both recipe keys: exactly one must be set (the quantize stage's validate_recipe decides)
+        "recipe.modelopt_cfg": (None, "NVFP4_DEFAULT_CFG", "FP8_DEFAULT_CFG"),
+        "recipe.recipe_path": (None, None, "general/ptq/nvfp4_mlp_weight_only"),
+        "stages.quantize.dtype": ("bfloat16", "float16", "float32"),
+        "stages.export.dtype": ("bfloat16", "float16", "float32"),
         "executor.time": ("01:00:00", "30", "2-00:30", "abc"),
         "executor.nodes": (1, 1, 2, 3),
         "executor.device": ("auto", "cpu", "cuda"),
@@ -204,3 +210,140 @@ def test_validate_agrees_with_the_dry_run_and_every_stages_prechecks():
     assert not failures, f"{len(failures)} accepted case(s) fail later:\n" + "\n".join(failures[:15])
     assert total == CASES_PER_EXAMPLE * len(EXAMPLES) >= 500
     assert accepted >= total // 10, f"only {accepted} of {total} cases were valid: the domain is too hostile"
+
+
+# --- every key: an invalid value of each is refused by validate, naming the key -------------------
+# A key whose rule is a library's checker (rules.Owned) gets its invalid value here; a new owned key
+# without one fails test_every_schema_key_states_what_is_valid.
+OWNED_INVALID = {
+    "model.architecture": "MixtralForCausalLM",
+    "model.hybrid_pattern": "MXE*",
+    "recipe.modelopt_cfg": "NVFP4_BOGUS_CFG",
+    "recipe.recipe_path": "/nonexistent/recipe.yaml",
+    "executor.kind": None,                      # the config group picks it; `executor=bogus` is refused at compose
+    "executor.time": "1h",
+    "stages.mmlu.batch_size": "eight",
+    "stages.mmlu.lower_bound": 1.5,
+    "stages.mmlu.max_drop": -0.1,
+    "stages.mmlu.baseline_accuracy": 2.0,
+}
+
+
+def schema_keys() -> list[tuple[str, object, type, str]]:
+    """(dotted key, dataclass field, type hint, executor kind) of every leaf key of the schema."""
+    import dataclasses
+    import typing
+
+    from launcher.config.compose import EXECUTOR_SCHEMAS
+    from launcher.config.schema import PipelineConfig
+
+    out = []
+
+    def walk(cls, prefix, kind):
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            hint = hints[f.name]
+            if f.name == "executor" and not prefix:
+                for name, executor in sorted(EXECUTOR_SCHEMAS.items()):
+                    walk(executor, "executor.", name)
+            elif dataclasses.is_dataclass(hint):
+                walk(hint, f"{prefix}{f.name}.", kind)
+            else:
+                out.append((prefix + f.name, f, hint, kind))
+
+    walk(PipelineConfig, "", "local")
+    return out
+
+
+def _base_type(hint):
+    import typing
+
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if typing.get_origin(hint) is typing.Union and len(args) == 1 else hint
+
+
+def _is_enum(hint) -> bool:
+    import enum
+
+    t = _base_type(hint)
+    return isinstance(t, type) and issubclass(t, enum.Enum)
+
+
+def invalid_values(key, f, hint, tmp) -> list:
+    """Values of the key's own type that its rule refuses (none for booleans, lists, free text)."""
+    import re
+
+    from launcher.config import rules
+
+    rule = rules.rule_of(f)
+    if isinstance(rule, rules.Range):
+        return rule.invalid()
+    if isinstance(rule, rules.Path):
+        a_file, a_dir = tmp / "a_file", tmp / "a_dir"
+        a_file.write_text("x")
+        a_dir.mkdir(exist_ok=True)
+        wrong_kind = {"dir": [str(a_file)], "file": [str(a_dir)], "any": []}[rule.kind]
+        return wrong_kind + ([str(tmp / "missing" / "path")] if rule.exists else [str(a_file / "below")])
+    if isinstance(rule, rules.Pattern):
+        return [v for v in ("", "a b/c") if not re.fullmatch(rule.regex, v)]
+    if isinstance(rule, rules.Owned):
+        return [] if OWNED_INVALID[key] is None else [OWNED_INVALID[key]]
+    return []
+
+
+def test_every_schema_key_states_what_is_valid():
+    """Numbers have a Range (or a checker that owns them), paths a kind, strings a rule; choices are
+    Enums; only booleans, lists and mappings go without."""
+    from launcher.config import rules
+
+    bare = []
+    for key, f, hint, _ in schema_keys():
+        rule, t = rules.rule_of(f), _base_type(hint)
+        if _is_enum(hint) or t is bool or getattr(t, "__origin__", t) in (list, dict):
+            assert rule is None, f"{key}: an Enum/bool/list key needs no rule"
+        elif rule is None:
+            bare.append(key)
+        elif t in (int, float):
+            assert isinstance(rule, (rules.Range, rules.Owned)), f"{key}: a number needs a Range, got {rule}"
+        if isinstance(rule, rules.Owned):
+            assert key in OWNED_INVALID, f"{key}: owned by {rule.owner}, but no invalid value is drawn for it"
+    assert bare == [], f"keys that do not say what is valid: {bare}"
+
+
+def test_validate_refuses_an_invalid_value_of_every_key_naming_it(tmp_path):
+    """Each key, set to each value its rule refuses (on the tiny example with real files, so
+    paths are checked), is refused by validate with a line that names the key."""
+    from test_bad_inputs import TINY, Inputs
+
+    inputs = Inputs(tmp_path)
+    overrides = inputs.validate()[2:]
+    bases = {kind: compose_example(TINY, [f"executor={kind}", *overrides]) for kind in ("local", "slurm")}
+    validate(bases["slurm"])
+    drawn, missed = 0, []
+    for key, f, hint, kind in schema_keys():
+        if _is_enum(hint):
+            continue   # refused at compose: the next test
+        for value in invalid_values(key, f, hint, tmp_path):
+            drawn += 1
+            with _applied(bases[kind], {key: value}) as cfg:
+                try:
+                    validate(cfg, check_paths=True)
+                    missed.append(f"{key}={value!r}: accepted")
+                except ConfigError as e:
+                    if not any(line.strip().startswith(key + "=") or f" {key} " in line or f"{key}," in line
+                               for line in str(e).splitlines()):
+                        missed.append(f"{key}={value!r}: refused without naming the key: {e}")
+    assert missed == []
+    assert drawn >= 60, drawn
+
+
+def test_launch_validate_refuses_a_bogus_value_of_every_choice_key(capsys):
+    from launcher.cli import main
+    from test_bad_inputs import TINY
+
+    keys = [(key, kind) for key, f, hint, kind in schema_keys() if _is_enum(hint)]
+    assert len(keys) >= 12
+    for key, kind in keys:
+        assert main(["validate", TINY, "--no-check-paths", f"executor={kind}", f"{key}=bogus"]) == 2, key
+        err = capsys.readouterr().err
+        assert err.startswith(f"launch: {key}='bogus': ") and "valid" in err and "Traceback" not in err, err

@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from launcher import formats
 from launcher.config import schema
+from launcher.contract import UserError
 from launcher.config.hf_card import card_from_hf_config, read_hf_config
 
 PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -30,7 +31,7 @@ GROUP_SCHEMAS = {
 EXECUTOR_SCHEMAS = {"local": schema.LocalExecutorConfig, "slurm": schema.SlurmExecutorConfig}
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A user error in a config: names the key, the value and what would be valid."""
 
 

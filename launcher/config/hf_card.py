@@ -39,11 +39,49 @@ def read_hf_config(path: str) -> dict[str, Any] | None:
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         return None
-    with open(cfg_path) as f:
+    with open(cfg_path, encoding="utf-8") as f:
         try:
-            return json.load(f)
-        except json.JSONDecodeError as e:
+            data = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ValueError(f"{cfg_path} is not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{cfg_path} holds a JSON {type(data).__name__}; valid: a JSON object (a model config)")
+    return data
+
+
+# config.json fields a card or a builder reads, and what each must be
+_INT_FIELDS = {"num_hidden_layers": 1, "n_layer": 1, "num_layers": 1, "hidden_size": 1, "d_model": 1, "n_embd": 1,
+               "num_attention_heads": 1, "n_head": 1, "num_key_value_heads": 1, "intermediate_size": 1,
+               "vocab_size": 1, "max_position_embeddings": 1, "head_dim": 1, "num_experts": 0,
+               "num_local_experts": 0, "n_routed_experts": 0, "num_experts_per_tok": 0, "moe_topk": 0, "top_k": 0,
+               "moe_intermediate_size": 0}
+_FLOAT_FIELDS = ("rms_norm_eps", "layer_norm_epsilon", "rope_theta", "initializer_range")
+_BOOL_FIELDS = ("tie_word_embeddings", "attention_bias", "use_bias", "mlp_bias")
+_STR_FIELDS = ("model_type", "hybrid_override_pattern", "torch_dtype", "dtype")
+
+
+def config_json_problems(hf: dict[str, Any]) -> list[str]:
+    """Fields of config.json whose JSON type (or range) is not what the card and the builder read:
+    "config.json KEY=VALUE; valid: ..." lines (empty: every field read has the right type)."""
+    out = []
+    archs = hf.get("architectures")
+    if archs is not None and (not isinstance(archs, list) or not archs or not all(isinstance(a, str) for a in archs)):
+        out.append(f"config.json architectures={archs!r}; valid: a list of class names, e.g. [\"LlamaForCausalLM\"]")
+    for key, low in _INT_FIELDS.items():
+        v = hf.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < low):
+            out.append(f"config.json {key}={v!r}; valid: an integer >= {low}")
+    for key in _FLOAT_FIELDS:
+        v = hf.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            out.append(f"config.json {key}={v!r}; valid: a number")
+    for key in _BOOL_FIELDS:
+        if hf.get(key) is not None and not isinstance(hf[key], bool):
+            out.append(f"config.json {key}={hf[key]!r}; valid: true or false")
+    for key in _STR_FIELDS:
+        if hf.get(key) is not None and not isinstance(hf[key], str):
+            out.append(f"config.json {key}={hf[key]!r}; valid: a string")
+    return out
 
 
 def hybrid_layers(pattern: str) -> str:
@@ -134,6 +172,9 @@ def card_from_hf_config(hf: dict[str, Any]) -> dict[str, Any]:
 
     Raises ValueError naming the key when config.json lacks what a card needs.
     """
+    problems = config_json_problems(hf)
+    if problems:
+        raise ValueError("; ".join(problems))
     out: dict[str, Any] = {}
     archs = hf.get("architectures") or []
     if not archs:

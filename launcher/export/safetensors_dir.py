@@ -69,8 +69,11 @@ def read_index(directory: str) -> dict | None:
     if not os.path.isfile(path):
         return None
     with open(path) as f:
-        index = json.load(f)
-    if not isinstance(index.get("weight_map"), dict):
+        try:
+            index = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not valid JSON ({e})") from e
+    if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
         raise ValueError(f"{path}: no 'weight_map' object")
     return index
 

@@ -62,9 +62,8 @@ def verify_export(export_dir: str, fmt: str, *, source_dir: Optional[str] = None
     tensors = layout.check_files(export_dir, findings)
     excludes, algo, group_size = layout.check_quant_config(export_dir, fmt, findings)
     config = {}
-    if os.path.isfile(os.path.join(export_dir, "config.json")):
-        with open(os.path.join(export_dir, "config.json")) as f:
-            config = json.load(f)
+    if os.path.isfile(os.path.join(export_dir, "config.json")):   # unreadable: a finding, named
+        config = layout._read_json(os.path.join(export_dir, "config.json"), findings) or {}
     cfg_layers, cfg_experts = layout.model_dims(config)
     for what, card, exported in (("num_layers", num_layers, cfg_layers), ("num_experts", num_experts, cfg_experts)):
         if card is not None and exported is not None and card != exported:
@@ -145,8 +144,11 @@ def format_from_export(export_dir: str) -> str:
     path = os.path.join(export_dir, "hf_quant_config.json")
     if not os.path.isfile(path):
         return "none"
-    with open(path) as f:
-        algo = (json.load(f).get("quantization") or {}).get("quant_algo")
+    try:
+        with open(path) as f:
+            algo = (json.load(f).get("quantization") or {}).get("quant_algo")
+    except (json.JSONDecodeError, AttributeError) as e:
+        raise ValueError(f"{path}: not a JSON object with quantization.quant_algo ({e})") from e
     if algo not in QUANT_ALGO_FORMATS:
         raise ValueError(f"{path}: quant_algo {algo!r} cannot be verified; supported: {sorted(QUANT_ALGO_FORMATS)}")
     return QUANT_ALGO_FORMATS[algo]

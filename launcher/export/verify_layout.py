@@ -64,10 +64,14 @@ def check_format_name(fmt: str) -> dict | None:
 def _read_json(path: str, findings: Findings) -> Optional[dict]:
     try:
         with open(path) as f:
-            return json.load(f)
+            data = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
         findings.error(f"{os.path.basename(path)}: cannot read it ({type(e).__name__}: {e})")
         return None
+    if not isinstance(data, dict):
+        findings.error(f"{os.path.basename(path)}: holds a JSON {type(data).__name__}, not an object")
+        return None
+    return data
 
 
 def check_files(export_dir: str, findings: Findings) -> dict[str, TensorInfo]:

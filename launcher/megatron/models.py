@@ -13,6 +13,8 @@ import json
 import os
 from typing import TYPE_CHECKING, Any
 
+from launcher.contract import Dtype, values
+
 if TYPE_CHECKING:
     import torch
 
@@ -21,7 +23,7 @@ if TYPE_CHECKING:
 GPT_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM")
 HYBRID_ARCHITECTURES = ("NemotronHForCausalLM",)
 SUPPORTED_ARCHITECTURES = GPT_ARCHITECTURES + HYBRID_ARCHITECTURES
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = values(Dtype)   # the schema's dtype choices (launcher.contract.Dtype)
 DISPATCHERS = ("alltoall", "allgather")
 
 

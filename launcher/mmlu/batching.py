@@ -79,8 +79,8 @@ def check_batch_size(batch_size) -> None:
     if batch_size == AUTO:
         return
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"stages.mmlu.batch_size={batch_size!r}: valid values are 'auto' or an "
-                         f"integer >= 1")
+        raise ValueError(f"stages.mmlu.batch_size={batch_size!r}: valid: 'auto' (token budget from the "
+                         f"device) or an integer >= 1")
 
 
 def activation_bytes_per_token(hidden: int, ffn: int, topk: int = 0, moe_ffn: int = 0,

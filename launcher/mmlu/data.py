@@ -19,12 +19,15 @@ Sources (``stages.mmlu.dataset`` / ``stages.mmlu.dev_dataset``), detected by ``s
 """
 from __future__ import annotations
 
+import contextlib
 import csv
 import glob
 import json
 import os
 from dataclasses import dataclass
 from typing import Iterable, Optional
+
+from launcher.contract import UserError
 
 LETTERS = ("A", "B", "C", "D")
 SPLITS = ("test", "dev")
@@ -40,7 +43,7 @@ class Question:
     answer: int                # 0..3
 
 
-class MmluDataError(ValueError):
+class MmluDataError(UserError):
     """A dataset source that cannot be used; the message names the config key."""
 
 
@@ -120,35 +123,48 @@ def _answer_index(value, where: str) -> int:
 
 
 def _question(index: int, subject: str, question: str, choices, answer, where: str) -> Question:
-    choices = list(choices)
-    if len(choices) != 4:
-        raise MmluDataError(f"{where}: expected 4 choices, got {len(choices)}")
+    if not isinstance(choices, (list, tuple)) or len(choices) != 4:
+        got = len(choices) if isinstance(choices, (list, tuple)) else type(choices).__name__
+        raise MmluDataError(f"{where}: expected 4 choices, got {got}")
+    for name, value in (("question", question), ("subject", subject)):
+        if not isinstance(value, str) or not value.strip():
+            raise MmluDataError(f"{where}: {name}={value!r}; valid: a non-empty string")
     return Question(index=index, subject=str(subject), question=str(question),
                     choices=tuple(str(c) for c in choices), answer=_answer_index(answer, where))
 
 
-def _records(rows: Iterable[dict], where: str) -> list[Question]:
+def _records(rows: Iterable[dict], where: str, places: Optional[list[str]] = None) -> list[Question]:
+    """Questions from cais-schema rows; ``places[i]`` names row i (a file's line), else
+    ``<where> record <i>``."""
     out = []
     for i, row in enumerate(rows):
+        place = places[i] if places is not None else f"{where} record {i}"
+        if not isinstance(row, dict):
+            raise MmluDataError(f"{place}: a {type(row).__name__}, not a record {{question, subject, choices, answer}}")
         missing = [k for k in ("question", "subject", "choices", "answer") if k not in row]
         if missing:
-            raise MmluDataError(f"{where} record {i}: missing keys {missing} (cais/mmlu schema: "
+            raise MmluDataError(f"{place}: missing keys {missing} (cais/mmlu schema: "
                                 f"question, subject, choices, answer)")
-        out.append(_question(i, row["subject"], row["question"], row["choices"], row["answer"],
-                             f"{where} record {i}"))
+        out.append(_question(i, row["subject"], row["question"], row["choices"], row["answer"], place))
     return out
 
 
 def _load_jsonl(path: str) -> list[Question]:
-    rows = []
     with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise MmluDataError(f"{path}:{n}: not JSON: {e}") from e
-    return _records(rows, path)
+        lines = [(n, line) for n, line in enumerate(f, 1) if line.strip()]
+    places = [f"{path}:{n}" for n, _ in lines]
+    try:   # one decoder call for the whole file (the full MMLU split in a fraction of a second)
+        rows = json.loads("[" + ",".join(line for _, line in lines) + "]")
+    except json.JSONDecodeError:
+        rows = None
+    if rows is None or len(rows) != len(lines):   # find the line that is not one JSON value
+        rows = []
+        for n, line in lines:
+            try:
+                rows.append(json.loads(line.rstrip("\r\n")))   # the error's column is the line's
+            except json.JSONDecodeError as e:
+                raise MmluDataError(f"{path}:{n}: not JSON: {e}; valid: one JSON object a line") from e
+    return _records(rows, path, places)
 
 
 def _load_csv_dir(path: str, split: str) -> list[Question]:
@@ -188,11 +204,38 @@ def _load_hf_dir(path: str, split: str) -> list[Question]:
     return _records(ds, f"{path}[{split}]")
 
 
+def _parquet_rows(path: str, split: str) -> Optional[list[dict]]:
+    """The rows of the parquet layout's split read with pyarrow alone (None: no pyarrow here, or
+    not that layout); what validation reads instead of importing ``datasets``."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        return None
+    files = sorted(glob.glob(os.path.join(path, "all", f"{split}-*.parquet")))
+    if _hf_layout(path) != "parquet" or not files:
+        return None
+    rows: list[dict] = []
+    for file in files:
+        rows.extend(pq.read_table(file).to_pylist())
+    return rows
+
+
 def _load_hub(source: str, split: str) -> list[Question]:
     import datasets
 
     ds = datasets.load_dataset(source, "all", split=split)
     return _records(ds, f"{source}[{split}]")
+
+
+@contextlib.contextmanager
+def _named(key: str, source: str):
+    """A record's problem, prefixed with the config key that named the file."""
+    try:
+        yield
+    except MmluDataError as e:
+        if str(e).startswith("stages.mmlu."):
+            raise
+        raise MmluDataError(f"{key}={source!r}: {e}") from e
 
 
 def load_mmlu(source: str, split: str = "test", subjects: Optional[Iterable[str]] = None,
@@ -203,18 +246,47 @@ def load_mmlu(source: str, split: str = "test", subjects: Optional[Iterable[str]
         raise MmluDataError(f"split={split!r}: valid splits are {list(SPLITS)}")
     kind = source_kind(source, key)
     path = os.path.expanduser(source)
-    if kind == "jsonl":
-        questions = _load_jsonl(path)
-    elif kind == "csv_dir":
-        questions = _load_csv_dir(path, split)
-    elif kind == "hf_dir":
-        questions = _load_hf_dir(path, split)
-    else:
-        questions = _load_hub(source, split)
+    loaders = {"jsonl": lambda: _load_jsonl(path), "csv_dir": lambda: _load_csv_dir(path, split),
+               "hf_dir": lambda: _load_hf_dir(path, split), "hub": lambda: _load_hub(source, split)}
+    with _named(key, source):
+        questions = loaders[kind]()
     if subjects is not None:
         wanted = set(subjects)
         questions = [q for q in questions if q.subject in wanted]
     return questions
+
+
+def check_contents(dataset: str, dev_dataset: Optional[str], fraction: float, few_shots: int) -> list[str]:
+    """Validation's reading of what the gate will read (no torch, no ``datasets``): every record
+    of the test split (a question, 4 choices, an answer in range, a subject), a selection that is
+    not empty, and with ``few_shots`` a dev split holding enough questions for every selected
+    subject.  One line per problem, naming the key, the file and its line or record."""
+    from launcher.mmlu.prompts import build_prompts, select_fraction
+
+    def named(e: Exception, key: str, value: str) -> list[str]:
+        text = str(e)
+        return [text if text.startswith("stages.mmlu.") else f"{key}={value!r}: {text}"]
+
+    try:
+        kind = source_kind(dataset, "stages.mmlu.dataset")
+        rows = _parquet_rows(os.path.expanduser(dataset), "test") if kind == "hf_dir" else None
+        if kind == "hub" or (kind == "hf_dir" and rows is None):
+            return []   # a hub id, a save_to_disk directory, or no pyarrow here: the stage reads it
+        questions = _records(rows, f"{dataset}[test]") if rows is not None else load_mmlu(dataset, "test")
+    except MmluDataError as e:
+        return named(e, "stages.mmlu.dataset", dataset)
+    if not questions:
+        return [f"stages.mmlu.dataset={dataset!r}: holds no questions; valid: a test split with at least one"]
+    if not few_shots or (dev_dataset and source_kind(dev_dataset, "stages.mmlu.dev_dataset") == "hf_dir"):
+        return []
+    try:
+        dev = load_dev(dataset, dev_dataset)
+        build_prompts(select_fraction(questions, fraction), dev, few_shots)
+    except MmluDataError as e:
+        return named(e, "stages.mmlu.dev_dataset", dev_dataset) if dev_dataset else [str(e)]
+    except ValueError as e:   # build_prompts: too few dev questions for a subject (names the key)
+        return [str(e)]
+    return []
 
 
 def load_dev(dataset: str, dev_dataset: Optional[str] = None) -> list[Question]:
@@ -223,7 +295,8 @@ def load_dev(dataset: str, dev_dataset: Optional[str] = None) -> list[Question]:
     if dev_dataset:
         kind = source_kind(dev_dataset, "stages.mmlu.dev_dataset")
         if kind == "jsonl":
-            return _load_jsonl(os.path.expanduser(dev_dataset))
+            with _named("stages.mmlu.dev_dataset", dev_dataset):
+                return _load_jsonl(os.path.expanduser(dev_dataset))
         return load_mmlu(dev_dataset, "dev", key="stages.mmlu.dev_dataset")
     if source_kind(dataset) == "jsonl":
         raise MmluDataError(

@@ -51,14 +51,14 @@ def check_gate_config(lower_bound: Optional[float], max_drop: Optional[float], b
     if max_drop is not None and not 0 <= max_drop <= 1:
         raise ValueError(f"stages.mmlu.max_drop={max_drop!r}: must be null or in [0, 1]")
     if baseline == "recorded" and baseline_accuracy is None:
-        raise ValueError("stages.mmlu.baseline='recorded' needs stages.mmlu.baseline_accuracy "
+        raise ValueError("stages.mmlu.baseline_accuracy=None: required with baseline=recorded "
                          "(a number in [0, 1])")
     if baseline != "recorded" and baseline_accuracy is not None:
-        raise ValueError(f"stages.mmlu.baseline_accuracy={baseline_accuracy!r} is only used with "
-                         f"baseline='recorded' (got baseline={baseline!r})")
+        raise ValueError(f"stages.mmlu.baseline_accuracy={baseline_accuracy!r}: only used with "
+                         f"stages.mmlu.baseline=recorded (got baseline={baseline!r})")
     if max_drop is not None and baseline == "none":
-        raise ValueError(f"stages.mmlu.max_drop={max_drop!r} needs a baseline: valid "
-                         f"stages.mmlu.baseline values with max_drop are 'recorded', 'evaluate', 'cached'")
+        raise ValueError(f"stages.mmlu.max_drop={max_drop!r}: needs a baseline: set stages.mmlu.baseline to "
+                         f"recorded, evaluate or cached")
 
 
 @dataclass

@@ -49,9 +49,9 @@ def resolve_mode(mode: str, ep: int, allow_unsafe: bool = False) -> str:
         raise ValueError(f"stages.mmlu.shard_mode={mode!r}: valid values are {list(SHARD_MODES)}")
     if mode == "dense_dp" and ep > 1 and not allow_unsafe:
         raise ValueError(
-            f"stages.mmlu.shard_mode='dense_dp' with ep={ep}: EP peers would run different numbers "
-            f"of forwards and desync (the seed bug); valid: auto, balanced, lockstep "
-            f"(stages.mmlu.allow_unsafe_shard_mode=true permits it for tests)")
+            f"stages.mmlu.shard_mode='dense_dp': shards batches over the dense data-parallel group, which "
+            f"desyncs the expert all-to-all at ep={ep} (EP peers run different numbers of forwards); valid: "
+            f"auto, balanced, lockstep (stages.mmlu.allow_unsafe_shard_mode=true permits it for tests)")
     return "balanced" if mode == "auto" else mode
 
 

@@ -20,8 +20,12 @@ import json
 import os
 from typing import Any, Iterable
 
+from launcher.contract import UserError
+
 
 def _render(record: dict[str, Any], text_key: str, tokenizer, where: str) -> str:
+    if not isinstance(record, dict):
+        record = {}
     if isinstance(record.get(text_key), str):
         return record[text_key]
     messages = record.get("messages")
@@ -29,8 +33,8 @@ def _render(record: dict[str, Any], text_key: str, tokenizer, where: str) -> str
         if getattr(tokenizer, "chat_template", None):
             return tokenizer.apply_chat_template(messages, tokenize=False)
         return "\n".join(str(m.get("content", "")) for m in messages if isinstance(m, dict))
-    raise ValueError(f"{where}: record has neither a string {text_key!r} field nor a 'messages' list "
-                     f"(keys: {sorted(record)})")
+    raise UserError(f"{where}: record has neither a string {text_key!r} field (stages.quantize.calib.text_key) "
+                    f"nor a 'messages' list (keys: {sorted(record) if isinstance(record, dict) else type(record).__name__})")
 
 
 def _jsonl_records(path: str) -> Iterable[tuple[dict, str]]:
@@ -38,17 +42,29 @@ def _jsonl_records(path: str) -> Iterable[tuple[dict, str]]:
         for lineno, line in enumerate(f, 1):
             if line.strip():
                 try:
-                    yield json.loads(line), f"{path}:{lineno}"
+                    yield json.loads(line.rstrip("\r\n")), f"{path}:{lineno}"
                 except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{lineno} is not valid JSON: {e}") from e
+                    raise UserError(f"{path}:{lineno}: not JSON: {e}; valid: one JSON object a line") from e
+
+
+def _named(path: str, e: Exception) -> UserError:
+    text = str(e)
+    return UserError(text if text.startswith("stages.quantize.") else f"stages.quantize.calib.dataset={path!r}: {text}")
 
 
 def load_calibration_texts(path: str, size: int, text_key: str = "text", tokenizer=None) -> list[str]:
-    """Up to ``size`` non-empty texts from ``path`` (in file order)."""
+    """Up to ``size`` non-empty texts from ``path`` (in file order); UserError naming the key."""
+    try:
+        return _load_texts(path, size, text_key, tokenizer)
+    except UserError as e:
+        raise _named(path, e) from e
+
+
+def _load_texts(path: str, size: int, text_key: str, tokenizer) -> list[str]:
     if size < 1:
         raise ValueError(f"calib.size must be >= 1, got {size}")
     if not os.path.exists(path):
-        raise ValueError(f"calib.dataset={path!r} does not exist")
+        raise UserError(f"stages.quantize.calib.dataset={path!r} does not exist")
     texts: list[str] = []
     if os.path.isdir(path):
         import datasets
@@ -70,12 +86,47 @@ def load_calibration_texts(path: str, size: int, text_key: str = "text", tokeniz
             paragraphs = [p.strip() for p in f.read().split("\n\n")]
         texts = [p for p in paragraphs if p][:size]
     else:
-        raise ValueError(f"calib.dataset={path!r}: expected a .jsonl file, a .txt file or a "
+        raise UserError(f"stages.quantize.calib.dataset={path!r}: expected a .jsonl file, a .txt file or a "
                          "datasets directory (save_to_disk)")
     texts = [t for t in texts if t.strip()]
     if not texts:
-        raise ValueError(f"calib.dataset={path!r} holds no calibration text")
+        raise UserError(f"stages.quantize.calib.dataset={path!r} holds no calibration text")
     return texts
+
+
+def check_contents(path: str, size: int, text_key: str) -> list[str]:
+    """Validation's reading of the calibration data (no tokenizer, no torch), one line per problem:
+    the records the stage reads (JSON lines, each with a string ``text_key`` field or a ``messages``
+    list; or .txt paragraphs), and at least ``size`` non-empty texts, one per sample (fewer would
+    calibrate on fewer, shorter samples than ``calib.size`` asks).  Reads at most ``size`` texts;
+    a ``save_to_disk`` directory must have its layout (its records are read by the stage)."""
+    key = "stages.quantize.calib.dataset"
+    if os.path.isdir(path):
+        if any(os.path.isfile(os.path.join(path, f)) for f in ("dataset_dict.json", "state.json")):
+            return []
+        return [f"{key}={path!r}: a directory without dataset_dict.json or state.json; valid: a directory "
+                "written by datasets' save_to_disk, a .jsonl or a .txt file"]
+    try:
+        texts = 0
+        if path.endswith(".jsonl"):
+            for record, where in _jsonl_records(path):
+                texts += bool(_render(record, text_key, None, where).strip())
+                if texts >= size:
+                    return []
+        elif path.endswith(".txt"):
+            with open(path, encoding="utf-8") as f:
+                texts = sum(1 for p in f.read().split("\n\n") if p.strip())
+        else:
+            load_calibration_texts(path, size, text_key)   # its refusal names what is valid
+    except (UserError, UnicodeDecodeError) as e:
+        return [str(_named(path, e))]
+    if texts == 0:
+        return [f"{key}={path!r}: holds no calibration text; valid: a file with at least "
+                f"stages.quantize.calib.size={size} texts"]
+    if texts < size:
+        return [f"stages.quantize.calib.size={size}: {path} holds {texts} calibration text(s), one per sample "
+                f"at least; valid: calib.size <= {texts}, or more data"]
+    return []
 
 
 def pack_tokens(token_lists: list[list[int]], size: int, max_seq_len: int, eos_id: int | None) -> list[list[int]]:

@@ -12,6 +12,7 @@ import copy
 import os
 from typing import TYPE_CHECKING, Any
 
+from launcher.contract import UserError
 from launcher.formats import CARRIED as FORMATS, format_problem   # the one format table
 
 if TYPE_CHECKING:   # the dataclass, or a DictConfig merged onto it (the composed config's recipe)
@@ -19,22 +20,22 @@ if TYPE_CHECKING:   # the dataclass, or a DictConfig merged onto it (the compose
 
 
 def validate_recipe(recipe: RecipeConfig) -> None:
-    """Structural checks that need no torch (the CLI's validation can call this)."""
+    """Structural checks that need no torch (validation calls this; so does the quantize stage)."""
     name, fmt, cfg_name, path = recipe.name, recipe.format, recipe.modelopt_cfg, recipe.recipe_path
     problem = format_problem(fmt)
     if problem:
-        raise ValueError(f"recipe {name!r}: format={fmt!r} is {problem}")
+        raise UserError(f"recipe.format={fmt!r}: {problem}")
     if fmt == "none":
         if cfg_name or path:
-            raise ValueError(f"recipe {name!r}: format 'none' must have modelopt_cfg and recipe_path null "
-                             f"(got modelopt_cfg={cfg_name!r}, recipe_path={path!r})")
+            raise UserError(f"recipe.format='none' quantizes nothing: recipe.modelopt_cfg and recipe.recipe_path "
+                            f"must be null (got modelopt_cfg={cfg_name!r}, recipe_path={path!r})")
         return
     if bool(cfg_name) == bool(path):
-        raise ValueError(f"recipe {name!r}: set exactly one of modelopt_cfg and recipe_path "
-                         f"(got modelopt_cfg={cfg_name!r}, recipe_path={path!r})")
+        raise UserError(f"recipe {name!r}: set exactly one of recipe.modelopt_cfg and recipe.recipe_path "
+                        f"(got modelopt_cfg={cfg_name!r}, recipe_path={path!r})")
     for pattern in recipe.exclude_modules:
         if not isinstance(pattern, str) or not pattern:
-            raise ValueError(f"recipe {name!r}: exclude_modules entries must be non-empty strings, got {pattern!r}")
+            raise UserError(f"recipe.exclude_modules: entries must be non-empty strings, got {pattern!r}")
 
 
 def named_modelopt_configs() -> list[str]:
@@ -48,7 +49,7 @@ def _load_named(name: str) -> dict[str, Any]:
 
     value = getattr(mtq, name, None)
     if not isinstance(value, dict):
-        raise ValueError(f"recipe modelopt_cfg={name!r} is not a ModelOpt quantization config; "
+        raise UserError(f"recipe modelopt_cfg={name!r} is not a ModelOpt quantization config; "
                          f"valid values: {named_modelopt_configs()}")
     return copy.deepcopy(value)
 
@@ -59,10 +60,10 @@ def _load_recipe_yaml(path: str) -> dict[str, Any]:
     try:
         loaded = load_recipe(path)
     except (FileNotFoundError, ValueError) as e:
-        raise ValueError(f"recipe_path={path!r} cannot be loaded as a ModelOpt recipe: {e}") from e
+        raise UserError(f"recipe_path={path!r} cannot be loaded as a ModelOpt recipe: {e}") from e
     quantize = getattr(loaded, "quantize", None)
     if quantize is None:
-        raise ValueError(f"recipe_path={path!r} is not a PTQ recipe (no 'quantize' section)")
+        raise UserError(f"recipe_path={path!r} is not a PTQ recipe (no 'quantize' section)")
     return quantize.model_dump() if hasattr(quantize, "model_dump") else dict(quantize)
 
 
@@ -97,7 +98,7 @@ def resolve_quant_cfg(recipe: RecipeConfig, base_dir: str | None = None) -> dict
             cfg["quant_cfg"] = {**quant_cfg, **{e["quantizer_name"]: {"enable": False}
                                                 for e in exclusion_entries(excludes)}}
         else:
-            raise ValueError(f"recipe {recipe.name!r}: its ModelOpt config has no quant_cfg to "
+            raise UserError(f"recipe {recipe.name!r}: its ModelOpt config has no quant_cfg to "
                              "apply exclude_modules to")
     return cfg
 
@@ -114,7 +115,7 @@ def check_recipe_layout(cfg: dict[str, Any] | None, ep: int, recipe_name: str = 
     """ValueError when the recipe's calibration cannot run at this expert-parallel degree."""
     algorithm = calibration_algorithm(cfg)
     if ep > 1 and algorithm in EP_UNSAFE_ALGORITHMS:
-        raise ValueError(
+        raise UserError(
             f"recipe {recipe_name!r} calibrates with {algorithm!r}, which desyncs expert-parallel ranks "
             f"in ModelOpt's implementation (collectives depend on per-rank expert token counts); "
             f"run the quantize stage with ep=1 (stages.quantize.parallel.ep=1) or use a max-calibrated "
@@ -154,14 +155,10 @@ def declared_algorithm(recipe: RecipeConfig) -> tuple[bool, str | None]:
 
 def _recipes_yaml(name: str):
     """A YAML of ModelOpt's modelopt_recipes package (found, not imported), or None."""
-    import importlib.util
+    from launcher.quant.recipe_yaml import builtin_recipe
 
-    spec = importlib.util.find_spec("modelopt_recipes")
-    for root in list(spec.submodule_search_locations or []) if spec is not None else []:
-        for suffix in ("", ".yaml", ".yml"):
-            if name and os.path.isfile(os.path.join(root, name + suffix)):
-                return _yaml_file(os.path.join(root, name + suffix))
-    return None
+    found = builtin_recipe(name)
+    return _yaml_file(found) if found else None
 
 
 def _yaml_file(path: str):

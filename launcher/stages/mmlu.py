@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from typing import Optional
 
+from launcher.config.schema import gate_dtype
 from launcher.contract import ExitCode, StageFailed, write_json_atomic
 from launcher.mmlu import gate as gate_mod
 from launcher.mmlu.batching import BatchLimits, padding_efficiency, resolve_limits
@@ -191,7 +192,7 @@ def run(ctx: StageContext) -> None:
             f"token cache {prepared.token_cache.get('cache')}")
 
     t = time.time()
-    dtype = cfg.stages.quantize.dtype
+    dtype = gate_dtype(cfg)   # the one rule: the quantize stage's dtype (launcher.config.schema)
     cached = _baseline_lookup(ctx, prepared, dtype) if scfg.baseline in gate_mod.PER_QUESTION_BASELINES else None
     model = build_model(cfg.model.path, ctx.dims, ctx.device, dtype, scfg.moe_dispatcher,
                         bool(cfg.model.trust_remote_code), eval_kernels=ctx.device == "cuda")
