@@ -307,7 +307,7 @@ class ReportVerb:
         from launcher.report.build import report_main
 
         if len(args.positional) != 1:
-            raise ValueError("usage: " + self.USAGE)
+            raise UserError("usage: " + self.USAGE)
         return report_main(args.positional[0], out=args.flag("--out"), since=args.flag("--since"),
                            example=args.flag("--example"), rebuild=bool(args.flag("--rebuild-history")))
 

@@ -14,7 +14,7 @@ import re
 import shutil
 from typing import Optional
 
-from launcher.contract import write_text_atomic
+from launcher.contract import UserError, write_text_atomic
 from launcher.report import history
 from launcher.report.page import build_view, example_of, file_stem, render, run_time
 from launcher.report.records import is_failure
@@ -35,7 +35,7 @@ def parse_since(text: Optional[str], now: Optional[_dt.datetime] = None) -> Opti
     try:
         return _dt.datetime.fromisoformat(text.strip()).replace(tzinfo=None)
     except ValueError:
-        raise ValueError(f"--since {text!r}: expected a date (2026-11-01), a date-time (2026-11-01T20:00) "
+        raise UserError(f"--since {text!r}: expected a date (2026-11-01), a date-time (2026-11-01T20:00) "
                          f"or a number of days (30d)") from None
 
 
@@ -61,9 +61,9 @@ def _prepare_out(out: str) -> str:
     """A fresh temporary directory next to ``out``; refuses an ``out`` that is not a report."""
     if os.path.exists(out):
         if not os.path.isdir(out):
-            raise ValueError(f"--out {out}: exists and is not a directory")
+            raise UserError(f"--out {out}: exists and is not a directory")
         if os.listdir(out) and not os.path.exists(os.path.join(out, MARKER)):
-            raise ValueError(f"--out {out}: exists and is not an earlier report (no {MARKER}); "
+            raise UserError(f"--out {out}: exists and is not an earlier report (no {MARKER}); "
                              f"give an empty or new directory")
     tmp = f"{out.rstrip(os.sep)}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -86,19 +86,19 @@ def build_report(runs_root: str, out: Optional[str] = None, since: Optional[str]
     """Write the report; returns (index.html's path, the records shown, warnings)."""
     root = os.path.abspath(runs_root)
     if not os.path.isdir(root):
-        raise ValueError(f"{runs_root}: no such runs root (a directory of <job_name>/<run_id>/ run directories)")
+        raise UserError(f"{runs_root}: no such runs root (a directory of <job_name>/<run_id>/ run directories)")
     since_t = parse_since(since)
     if rebuild:
         _, records, warnings = history.rebuild_history(root)
     else:
         records, warnings = history.collect(root)
     if not records:
-        raise ValueError(f"{runs_root}: no runs here (no {history.HISTORY_FILE} and no run directory "
+        raise UserError(f"{runs_root}: no runs here (no {history.HISTORY_FILE} and no run directory "
                          f"<job_name>/<run_id>/metadata.json)")
     shown = select(records, since_t, example)
     filters = " ".join(x for x in (f"since {since}" if since else "", f"example {example}" if example else "") if x)
     if not shown:
-        raise ValueError(f"{runs_root}: {len(records)} run(s), none selected by {filters}")
+        raise UserError(f"{runs_root}: {len(records)} run(s), none selected by {filters}")
     out = os.path.abspath(out or os.path.join(root, "report"))
     tmp = _prepare_out(out)
     try:

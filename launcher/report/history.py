@@ -19,6 +19,7 @@ import os
 import sys
 from typing import Iterator, Optional
 
+from launcher.contract import UserError
 from launcher.report.records import SCHEMA, launcher_commit, record_from_run_dir
 
 HISTORY_FILE = "history.jsonl"
@@ -154,7 +155,7 @@ def history_files(root: str) -> list[str]:
 def collect(root: str) -> tuple[list[dict], list[str]]:
     """(records, warnings): every run under ``root``, one record each, oldest first."""
     if not os.path.isdir(root):
-        raise ValueError(f"{root}: no such runs root (a directory of <job_name>/<run_id>/ run directories)")
+        raise UserError(f"{root}: no such runs root (a directory of <job_name>/<run_id>/ run directories)")
     by_key: dict[tuple[str, str], dict] = {}
     warnings: list[str] = []
     for path in history_files(root):

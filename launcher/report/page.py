@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from launcher.contract import StageStatus
 from launcher.report.records import FAILED_STAGE, INTERRUPTED, is_failure
 
 TEMPLATE = "report.html.j2"
@@ -139,7 +140,8 @@ def run_view(record: dict, out_dir: str) -> RunView:
     stages = record.get("stages") or {}
     failed = next((n for n, s in stages.items() if (s or {}).get("status") in FAILED_STAGE), None)
     if failed is None and record.get("status") == INTERRUPTED:
-        failed = next((n for n, s in stages.items() if (s or {}).get("status") in ("running", "submitted")), None)
+        failed = next((n for n, s in stages.items()
+                       if (s or {}).get("status") in (StageStatus.RUNNING, StageStatus.SUBMITTED)), None)
     run_dir = record.get("run_dir")
     log = os.path.join(run_dir, failed, "log.txt") if run_dir and failed else None
     when = run_time(record)
