@@ -55,7 +55,7 @@ class LocalExecutor:
         env.update(plan.env)
         env["PYTHONUNBUFFERED"] = "1"
         env.setdefault("OMP_NUM_THREADS", str(self.cfg.omp_num_threads))
-        if self.cfg.device == Device.cpu:   # CPU ranks do not see the host's GPUs (launcher.megatron.patches)
+        if getattr(self.cfg, "device", None) == Device.cpu:   # CPU ranks do not see the GPUs (megatron.patches)
             env["CUDA_VISIBLE_DEVICES"] = ""
         return env
 

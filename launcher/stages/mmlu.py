@@ -217,7 +217,8 @@ def run(ctx: StageContext) -> None:
         load_checkpoint(model, ctx.layout.quantize_checkpoint)
         timings["load_checkpoint_s"] = time.time() - t
     # the folded weights are the exported ones (launcher.megatron.fold), in the export's dtype
-    export_dtype = resolve_dtype(cfg.stages.export.dtype, ctx.device) if cfg.stages.export.enabled else None
+    export = cfg.stages.get("export")   # a gate-only config (tests) may have no export stage
+    export_dtype = resolve_dtype(export.dtype, ctx.device) if export is not None and export.enabled else None
     timings["fold_and_group_s"] = prepare_model_for_eval(model, ctx.log, export_dtype)["seconds"]
     t = time.time()
     results, plan, local = evaluate_model(model, prepared, label="quantized" if quantized else "", **common)
