@@ -145,7 +145,10 @@ def test_recipe_none_pipeline_agrees_with_the_gate(gate_run):
     assert r["criteria"]["min_accuracy"] == gate["lower_bound"] == 0.85
     assert ch["scoring"] == "prompt_logprobs" and ch["source"]["n_gate"] == ch["n"] == gate["n"] == 320
     assert ch["agreement"] >= 0.99 and r["agreement"] == ch["agreement"]
-    assert ch["n_counted"] + ch["n_ties"] == 320 and ch["n_ties"] < 16
+    # the ties are exactly the gate's near-ties (top-2 logit margin < tie_margin, 0.25), read from
+    # the gate's own logits, and a minority (22 of 320 with the 2026-12-04 tiny build)
+    gate_ties = sum(sorted(q["logits"])[-1] - sorted(q["logits"])[-2] < 0.25 for q in gate["questions"])
+    assert ch["n_counted"] + ch["n_ties"] == 320 and ch["n_ties"] == gate_ties and ch["n_ties"] < 32, gate_ties
     # the rows are the gate's questions, in the gate's order, with the gate's own numbers
     for row, q in zip(ch["questions"], gate["questions"]):
         assert row["id"] == f"{q['subject']}/{q['index']}" and row["answer"] == q["answer"]
@@ -206,7 +209,8 @@ def test_corrupted_export_fails_with_the_agreement_drop(gate_run, tmp_path):
     r = read(run_dir, "responses.json")
     ch = r["choices"]
     print(f"\n[corrupted: {err.value}]")
-    assert not r["passed"] and not ch["passed"] and ch["agreement"] < 0.9
+    # below the stage's min_agreement (0.99); layer 1 doubled: 0.926 with the 2026-12-04 tiny build
+    assert not r["passed"] and not ch["passed"] and ch["agreement"] < 0.99
     msg = str(err.value)
     assert (f"agreement with the gate {ch['agreement']:.3f} ({ch['n_agree']}/{ch['n_counted']} questions "
             f"with gate margin >= 0.25) < min_agreement 0.99: vLLM predicts differently on "
