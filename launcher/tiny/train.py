@@ -182,7 +182,9 @@ class _MambaReferenceScan:
     def __init__(self, model):
         import types
 
-        import launcher.megatron  # noqa: F401  (mamba_ssm importable without its CUDA extension)
+        from launcher.megatron import patches
+
+        patches.apply("mamba_ssm_stub")   # mamba_ssm importable without its CUDA extension
 
         self.mixers = [m for m in model.modules() if type(m).__name__ == "NemotronHMamba2Mixer"]
         for m in self.mixers:
