@@ -3,8 +3,8 @@
 Reads RUN_DIR/config.yaml, initializes torch.distributed + Megatron-Core parallel_state at the
 stage's degrees, runs the preflight, then the stage's ``run(ctx)`` (launcher.stages.registry).  Rank 0 writes
 the stage's manifest on success (and removes an older one before the work starts); a test can hold
-the ranks before and after the work (launcher.hold, off by default).  Exit codes: launcher.contract.ExitCode (1 failed, 3 gate failed,
-4 desync, 5 preflight).
+the ranks before and after the work (launcher.hold, off by default).  Exit codes:
+launcher.contract.ExitCode (1 failed, 3 gate failed, 4 desync, 5 preflight).
 """
 from __future__ import annotations
 

@@ -66,7 +66,8 @@ def test_a_hold_never_released_fails_after_its_timeout(tmp_path):
 
 def test_a_config_may_not_set_the_hook():
     cfg = compose_example(NANO, ["+env.PTQ_TEST_HOLD=export:end:/tmp/x"])
-    with pytest.raises(ConfigError, match="env.PTQ_TEST_HOLD='export:end:/tmp/x': PTQ_TEST_\\* variables are test hooks"):
+    with pytest.raises(ConfigError,
+                       match="env.PTQ_TEST_HOLD='export:end:/tmp/x': PTQ_TEST_\\* variables are test hooks"):
         validate(cfg, check_paths=False)
 
 
