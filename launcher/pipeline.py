@@ -2,7 +2,10 @@
 
 quantize -> mmlu -> export -> vllm_smoke.  A failed stage (a gate below its bound included)
 stops the pipeline unless `allow_to_fail`; `--resume RUN_DIR` skips stages whose manifest
-matches the current config and reruns the rest (and everything after the first rerun).
+matches the current config and reruns the rest (and everything after the first rerun).  A stage
+whose job ended otherwise than COMPLETED after its manifest was written (NODE_FAIL once the
+outputs were published) keeps its outputs and its status; `--resume` re-verifies the outputs
+against the manifest and skips the stage only if they verify.
 """
 from __future__ import annotations
 
@@ -71,12 +74,55 @@ def stages_to_run(cfg: DictConfig, run: RunDirectory, resume: bool) -> list[str]
     out, rerun = [], False
     for s in todo:
         if not rerun and run.stage_is_current(cfg, s):
-            run.update_stage(s, status=StageStatus.SKIPPED, reason="resume: manifest matches the config")
-            print(f"[launch] {s}: skipped (resume: manifest matches the config)", flush=True)
-            continue
+            reason = _skip_reason_on_resume(run, s)
+            if reason:
+                run.update_stage(s, status=StageStatus.SKIPPED, reason=reason)
+                print(f"[launch] {s}: skipped ({reason})", flush=True)
+                continue
         rerun = True
         out.append(s)
     return out
+
+
+def forget_manifests(run: RunDirectory, stages: list[str]) -> None:
+    """Stages about to run lose their manifest first: a manifest in the run directory then always
+    describes the latest attempt, and one present after a job that did not complete was written
+    by that job (the worker's rank 0 removes it too, before the work)."""
+    for s in stages:
+        try:
+            os.remove(run.layout.manifest(s))
+        except FileNotFoundError:
+            pass
+
+
+# the job states after which a matching manifest is trusted as it is; after any other (NODE_FAIL,
+# TIMEOUT, CANCELLED, FAILED, or a launch that never saw the end) the outputs are re-verified first
+_TRUSTED = (StageStatus.COMPLETED, StageStatus.SKIPPED)
+
+
+def _skip_reason_on_resume(run: RunDirectory, stage: str) -> Optional[str]:
+    """Why a stage whose manifest matches may be skipped, or None (then it is redone).
+
+    The manifest is the stage's own claim that its work completed (rank 0 writes it after every
+    rank finished); the recorded status is the executor's word on the job.  When the job did not
+    end COMPLETED although the manifest was written (Slurm declared NODE_FAIL once the outputs
+    were published), the outputs are re-verified against the manifest (every file, size and sha256):
+    verified -> skipped; otherwise they are set aside as <entry>.stale and the stage is redone."""
+    status = run.metadata()["stages"].get(stage, {}).get("status")
+    if status in _TRUSTED:
+        return "resume: manifest matches the config"
+    problems = run.verify_outputs(stage)
+    if not problems:
+        n = len(run.manifest(stage).get("outputs") or {})
+        return f"resume: outputs re-verified against the manifest ({n} files; the stage's job had ended {status})"
+    print(f"[launch] {stage}: outputs do not match the manifest (the stage's job had ended {status}): "
+          + "; ".join(problems[:5]) + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""), flush=True)
+    moved = run.set_aside_outputs(stage)
+    if moved:
+        print(f"[launch] {stage}: set aside {', '.join(os.path.basename(m) for m in moved)}; redoing the stage",
+              flush=True)
+    run.update_stage(stage, reverify_problems=problems[:20])
+    return None
 
 
 def _record_stage_outcome(run: RunDirectory, stage: str, state: str, exit_code: int) -> str:
@@ -91,6 +137,12 @@ def _record_stage_outcome(run: RunDirectory, stage: str, state: str, exit_code: 
     fields = {"status": status, "exit_code": exit_code, "state": state}
     if state != JobState.COMPLETED:
         fields["reason"] = EXIT_REASONS.get(exit_code, f"exit code {exit_code}")
+        if run.manifest(stage):   # removed before the stage was submitted: written by this job
+            # the work completed and rank 0 wrote the manifest before the job ended this way: the
+            # outputs are kept, the status stays the executor's word, --resume re-verifies them
+            fields["outputs"] = "complete (manifest written); --resume re-verifies them against the manifest"
+            print(f"[launch] {stage}: {state} after the stage's work had completed: outputs kept "
+                  f"(manifest written); --resume re-verifies them", flush=True)
     run.update_stage(stage, **fields)
     return status
 
@@ -100,6 +152,8 @@ def run_pipeline(cfg: DictConfig, run: RunDirectory, resume: bool = False, prefl
     """Run every enabled stage; returns the process exit code for `launch`."""
     _export_secrets(cfg)
     todo = enabled_stages(cfg) if preflight_only else stages_to_run(cfg, run, resume)
+    if not preflight_only:
+        forget_manifests(run, todo)
     plans = build_plans(cfg, run.path, preflight_only=preflight_only, stages=todo)
     run.update_run(status=StageStatus.RUNNING, started=time.time())
     return drive(make_executor(cfg, run.path), run, plans, preflight_only, detach)

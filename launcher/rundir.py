@@ -5,8 +5,12 @@
                                    <stage>/manifest.json  written by the stage's rank 0 on success
 
 A stage's manifest records ``stage_config_hash``: the hash of everything that determines its
-output (model, recipe, seed and every stage up to it).  ``--resume`` skips a stage whose
-manifest matches the current config and reruns the rest.
+output (model, recipe, seed and every stage up to it), and ``outputs``: every file the stage
+published under <stage>/ with its size and sha256.  ``--resume`` skips a stage whose manifest
+matches the current config and reruns the rest.  A manifest means the stage's work completed; the
+job's final state (metadata.json) is the executor's word on the job.  When the two disagree (Slurm
+declared NODE_FAIL after rank 0 wrote the manifest), ``--resume`` re-verifies the outputs against
+the manifest (``verify_outputs``) before it skips the stage.
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ import json
 import os
 import platform
 import secrets as _secrets
+import shutil
 import time
 from typing import Any, Optional
 
@@ -168,10 +173,112 @@ class RunDirectory:
         m = self.manifest(stage)
         return bool(m) and m.get("status") == COMPLETED and m.get("stage_config_hash") == stage_config_hash(cfg, stage)
 
+    def verify_outputs(self, stage: str) -> list[str]:
+        """Problems with the outputs ``stage``'s manifest lists (empty: every file is there, same size
+        and sha256, and nothing else was published beside them)."""
+        return verify_outputs(self.stage_dir(stage), self.manifest(stage) or {})
+
+    def set_aside_outputs(self, stage: str) -> list[str]:
+        """Before a stage whose outputs failed re-verification is redone: remove its manifest and
+        rename each published top-level entry to ``<entry>.stale`` (kept for inspection; an older
+        ``.stale`` is replaced).  Returns the new names."""
+        d = self.stage_dir(stage)
+        try:
+            os.remove(self.layout.manifest(stage))
+        except FileNotFoundError:
+            pass
+        moved = []
+        for top in sorted({rel.split("/")[0] for rel in list_outputs(d)}):
+            src, dst = os.path.join(d, top), os.path.join(d, top + STALE_SUFFIX)
+            if os.path.isdir(dst):
+                shutil.rmtree(dst)
+            elif os.path.exists(dst):
+                os.remove(dst)
+            os.replace(src, dst)
+            moved.append(dst)
+        return moved
+
+
+# -- a stage's published outputs ----------------------------------------------------------------------
+# not outputs: what the executor and the worker write beside them, and what a stage leaves aside
+NOT_OUTPUTS = ("log.txt", "manifest.json")
+STALE_SUFFIX = ".stale"
+_ASIDE_SUFFIXES = (".rejected", STALE_SUFFIX)
+_HASH_CHUNK = 8 << 20
+
+
+def _is_output(rel: str) -> bool:
+    parts = rel.split("/")
+    if rel in NOT_OUTPUTS:
+        return False
+    # temporary names of atomic writes (<name>.tmp-<pid>, export's <name>.tmp-export) and set-aside entries
+    return not any(".tmp-" in p or p.endswith(_ASIDE_SUFFIXES) for p in parts)
+
+
+def list_outputs(stage_dir: str) -> list[str]:
+    """Relative paths ('/'-separated, sorted) of every published file under ``stage_dir``."""
+    out = []
+    for root, dirs, files in os.walk(stage_dir):
+        dirs.sort()
+        for name in files:
+            rel = os.path.relpath(os.path.join(root, name), stage_dir).replace(os.sep, "/")
+            if _is_output(rel):
+                out.append(rel)
+    return sorted(out)
+
+
+def file_sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while True:
+            chunk = f.read(_HASH_CHUNK)
+            if not chunk:
+                return h.hexdigest()
+            h.update(chunk)
+
+
+def describe_outputs(stage_dir: str) -> dict[str, dict]:
+    """{relative path: {size, sha256}} of the stage's published files: what the manifest records."""
+    return {rel: {"size": os.path.getsize(os.path.join(stage_dir, rel)),
+                  "sha256": file_sha256(os.path.join(stage_dir, rel))} for rel in list_outputs(stage_dir)}
+
+
+def verify_outputs(stage_dir: str, manifest: dict) -> list[str]:
+    """Re-check the files a manifest lists: each exists with its recorded size and sha256, and no
+    other file was published beside them.  Returns the problems (empty: verified)."""
+    listed = manifest.get("outputs")
+    if not isinstance(listed, dict):
+        return ["the manifest lists no outputs (written by an older launcher): cannot re-verify"]
+    problems = []
+    for rel, want in sorted(listed.items()):
+        path = os.path.join(stage_dir, rel)
+        if not os.path.isfile(path):
+            problems.append(f"{rel}: missing")
+        elif os.path.getsize(path) != want.get("size"):
+            problems.append(f"{rel}: {os.path.getsize(path)} bytes, the manifest says {want.get('size')}")
+        elif file_sha256(path) != want.get("sha256"):
+            problems.append(f"{rel}: sha256 differs from the manifest's")
+    problems += [f"{rel}: not in the manifest" for rel in list_outputs(stage_dir) if rel not in listed]
+    return problems
+
 
 def write_manifest(run_dir: str, cfg: DictConfig, stage: str, extra: Optional[dict] = None) -> None:
-    """Called by a stage's rank 0 after it completed (worker)."""
+    """Called by a stage's rank 0 after every rank completed the stage's work (worker): the config
+    hash and the listing of the outputs (size, sha256) that ``--resume`` can re-verify."""
+    layout = RunLayout(run_dir)
+    t = time.time()
+    outputs = describe_outputs(layout.stage_dir(stage))
     data = {"stage": stage, "status": COMPLETED, "stage_config_hash": stage_config_hash(cfg, stage),
-            "finished": _dt.datetime.now().isoformat(timespec="seconds")}
+            "finished": _dt.datetime.now().isoformat(timespec="seconds"), "outputs": outputs,
+            "outputs_hash_s": round(time.time() - t, 2)}
     data.update(extra or {})
-    write_json_atomic(RunLayout(run_dir).manifest(stage), data)
+    write_json_atomic(layout.manifest(stage), data)
+
+
+def remove_manifest(run_dir: str, stage: str) -> None:
+    """Called by a stage's rank 0 before the stage's work: a manifest only ever describes the
+    latest attempt that completed, never an earlier one beside a newer attempt's outputs."""
+    try:
+        os.remove(RunLayout(run_dir).manifest(stage))
+    except FileNotFoundError:
+        pass

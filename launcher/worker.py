@@ -2,8 +2,9 @@
 
 Reads RUN_DIR/config.yaml, initializes torch.distributed + Megatron-Core parallel_state at the
 stage's degrees, runs the preflight, then the stage's ``run(ctx)`` (launcher.stages.registry).  Rank 0 writes
-the stage's manifest on success.  Exit codes: launcher.contract.ExitCode (1 failed, 3 gate failed,
-4 desync, 5 preflight).
+the stage's manifest on success (and removes an older one before the work starts); a test can hold
+the ranks before and after the work (launcher.hold, off by default).  Exit codes:
+launcher.contract.ExitCode (1 failed, 3 gate failed, 4 desync, 5 preflight).
 """
 from __future__ import annotations
 
@@ -111,11 +112,15 @@ def main(argv: list[str]) -> int:
 
 
 def _run_stage(spec, ctx, cfg, run_dir, rank, world, device, t0, shutdown) -> int:
+    from launcher import hold
     from launcher.megatron import patches
-    from launcher.rundir import write_manifest
+    from launcher.rundir import remove_manifest, write_manifest
 
     stage = spec.name
+    if rank == 0:
+        remove_manifest(run_dir, stage)
     try:
+        hold.at(stage, "start", rank, log=lambda m: ctx.log(m, all_ranks=True))
         spec.run(ctx)
     except StageFailed as e:
         print(f"[{stage} r{rank}] STAGE FAILED: {e}", file=sys.stderr, flush=True)
@@ -133,6 +138,11 @@ def _run_stage(spec, ctx, cfg, run_dir, rank, world, device, t0, shutdown) -> in
     if rank == 0:
         write_manifest(run_dir, cfg, stage, {"duration_s": round(time.time() - t0, 2), "world_size": world,
                                              "device": device, "patches": patches.applied_in_process()})
+    try:
+        hold.at(stage, "end", rank, log=lambda m: ctx.log(m, all_ranks=True))
+    except hold.HoldTimeout as e:
+        print(f"[{stage} r{rank}] STAGE FAILED: {e}", file=sys.stderr, flush=True)
+        _flush_and_exit(ExitCode.FAILED)
     try:
         if shutdown is not None:
             shutdown()

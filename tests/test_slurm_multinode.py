@@ -29,6 +29,7 @@ try:
 except ImportError:  # pragma: no cover
     from tests.slurm_netns import PREFIX, NetnsCluster, cleanup_stale, list_namespaces, namespace_pids, unavailable_reason
 
+from launcher import hold
 from launcher.executors.base import StagePlan
 from launcher.executors.slurm import SlurmExecutor
 from launcher.executors.slurm_env import derived_port
@@ -186,8 +187,12 @@ def test_two_node_pipeline_with_faults_then_resume(slurm_multinode, request, tmp
 
     A  node02's link down as quantize starts: srun cannot launch there -> quantize fails, nothing else runs;
     B  --resume: quantize runs; rank 3 (node02) SIGKILLed mid-gate -> mmlu fails, no results.json;
-    C  --resume: quantize skipped, mmlu passes; node02's slurmd stopped mid-export -> NODE_FAIL, no export;
-    D  --resume after slurmd is back: export completes; every output equals the single-node run's.
+    C1 --resume: quantize skipped, mmlu passes; export's ranks held at its start (launcher.hold), node02's
+       slurmd stopped -> NODE_FAIL, nothing of the export written;
+    C2 --resume: export redone, its ranks held once every output and the manifest are written, node02's
+       slurmd stopped -> NODE_FAIL, the verified export kept, the stage recorded node_fail;
+    D  --resume after slurmd is back: export re-verified against its manifest and skipped; every output
+       equals the single-node run's.
     """
     c = slurm_multinode
     ref = request.getfixturevalue("tiny_single_node_run")   # only once the two-node cluster is up (not skipped)
@@ -259,41 +264,76 @@ def test_two_node_pipeline_with_faults_then_resume(slurm_multinode, request, tmp
     assert not os.path.exists(os.path.join(run_dir, "mmlu", "results.json"))
     assert not os.path.exists(os.path.join(run_dir, "mmlu", "manifest.json"))
 
-    # C: resume; node02's slurmd stopped once export's ranks run there
-    launch = Launch([*base, "--resume", run_dir], env)
-    _wait_until("export ranks on node02", lambda: len(_worker_pids(c, "node02", "export")) == 2, 1500)
-    c.stop_slurmd("node02")
-    t_fault = time.monotonic()
-    t_report, m = launch.wait_for(r"^\[launch\] export: (FAILED|CANCELLED|NODE_FAIL)", bound + 60)
-    rc, t_end = launch.finish(300)
-    record("C node02's slurmd stopped mid-export", t_report - t_fault, t_end - launch.t0, m.group(1))
-    assert rc != 0 and m.group(1) == "NODE_FAIL", launch.output[-3000:]
-    assert "[launch] export: node node02: down* (Not responding)" in launch.output, launch.output[-3000:]
-    assert "DUE TO NODE FAILURE" in launch.output
+    # C: node02's slurmd stopped while export's ranks are held (launcher.hold, PTQ_TEST_HOLD) at a point
+    # known to be inside the stage's work, first before any output (C1), then after every output and
+    # the manifest were written (C2): what NODE_FAIL leaves depends only on that point, not on timing.
+    def export_node_fail(point: str) -> tuple[Launch, str]:
+        release = str(tmp_path / f"release-export-{point}")
+        launch = Launch([*base, "--resume", run_dir], {**env, hold.ENV: f"export:{point}:{release}"})
+        _wait_until(f"export's 4 ranks held at {point}",
+                    lambda: all(os.path.exists(hold.marker(release, r)) for r in range(4)), 1500)
+        assert len(_worker_pids(c, "node02", "export")) == 2   # ranks 2 and 3, held on node02
+        c.stop_slurmd("node02")
+        t_fault = time.monotonic()
+        t_report, m = launch.wait_for(r"^\[launch\] export: (FAILED|CANCELLED|NODE_FAIL)", bound + 60)
+        rc, t_end = launch.finish(300)
+        record(f"C node02's slurmd stopped, export at {point}", t_report - t_fault, t_end - launch.t0, m.group(1))
+        assert rc != 0 and m.group(1) == "NODE_FAIL", launch.output[-3000:]
+        assert "[launch] export: node node02: down* (Not responding)" in launch.output, launch.output[-3000:]
+        assert "DUE TO NODE FAILURE" in launch.output
+        # released only now, after Slurm ended the job: node02's ranks go on and end (at start: in the
+        # stage's first collective, their peers on node01 being gone; at end: they were done)
+        open(release, "w").close()
+        c.start_slurmd("node02")
+        t_restart = time.monotonic()
+        t_clean = _wait_until("the failed job's ranks on node02 to end",
+                              lambda: not _worker_pids(c, "node02", "export"), timeout_s + 60)
+        print(f"    node02's leftover export ranks gone {t_clean - t_fault:.1f} s after the fault "
+              f"(slurmd restarted at {t_restart - t_fault:.1f} s)", flush=True)
+        return launch, release
+
+    export_dir, verify_json = os.path.join(run_dir, "export", "hf"), os.path.join(run_dir, "export", "verify.json")
+    export_manifest = os.path.join(run_dir, "export", "manifest.json")
+    # C1: --resume; quantize skipped, mmlu passes; export held at start -> NODE_FAIL, nothing written
+    launch, _ = export_node_fail("start")
     st = _statuses(run_dir)
     assert (st["quantize"], st["mmlu"], st["export"]) == ("skipped", "completed", "node_fail"), st
     gate = read_json(os.path.join(run_dir, "mmlu", "results.json"))
     # the gate at EP4, balanced: each rank (two per node) its own shard, every rank 5 forward calls
     assert gate["pass"] is True and gate["shard_mode"] == "balanced", gate["plan"]
     assert gate["plan"]["shard_of_rank"] == [0, 1, 2, 3] and gate["plan"]["forward_calls_per_rank"] == [5] * 4
-    assert not os.path.exists(os.path.join(run_dir, "export", "hf"))
-    assert not os.path.exists(os.path.join(run_dir, "export", "verify.json"))
-    c.start_slurmd("node02")
-    t_restart = time.monotonic()
-    t_clean = _wait_until("the failed job's ranks on node02 to end",
-                          lambda: not _worker_pids(c, "node02", "export"), timeout_s + 60)
-    print(f"    node02's leftover export ranks gone {t_clean - t_fault:.1f} s after the fault "
-          f"(slurmd restarted at {t_restart - t_fault:.1f} s)", flush=True)
+    assert not os.path.exists(export_dir)
+    assert not os.path.exists(verify_json)
+    assert not os.path.exists(export_manifest)
+    assert "outputs kept" not in launch.output
+    assert "outputs" not in read_json(os.path.join(run_dir, "metadata.json"))["stages"]["export"]
 
-    # D: resume with every node back: export runs and the outputs equal the single-node run's
+    # C2: --resume; export redone (no manifest), held at end -> NODE_FAIL, its verified outputs kept
+    launch, _ = export_node_fail("end")
+    st = _statuses(run_dir)
+    assert (st["quantize"], st["mmlu"], st["export"]) == ("skipped", "skipped", "node_fail"), st
+    assert "[launch] export: NODE_FAIL after the stage's work had completed: outputs kept (manifest written); " \
+           "--resume re-verifies them" in launch.output, launch.output[-3000:]
+    assert read_json(os.path.join(run_dir, "metadata.json"))["stages"]["export"]["outputs"].startswith("complete")
+    assert read_json(verify_json)["ok"] is True and os.path.isdir(export_dir)
+    listed = read_json(export_manifest)["outputs"]
+    assert "verify.json" in listed and sorted(n for n in listed if n.startswith("hf/")) == sorted(
+        f"hf/{n}" for n in os.listdir(export_dir))
+
+    # D: --resume with every node back: export re-verified against its manifest and skipped; the
+    # outputs equal the single-node run's
     launch = Launch([*base, "--resume", run_dir], env)
     rc, t_end = launch.finish(1500)
     record("D --resume to the end", None, t_end - launch.t0)
     assert rc == 0, launch.output[-4000:] + c.logs_tail()
     st = _statuses(run_dir)
-    assert st == {"quantize": "skipped", "mmlu": "skipped", "export": "completed", "vllm_smoke": "skipped"}, st
-    assert json.load(open(os.path.join(run_dir, "slurm", "jobs.json")))["stages"]["export"]["final_info"][
-        "node_list"] == "node[01-02]"
+    assert st == {"quantize": "skipped", "mmlu": "skipped", "export": "skipped", "vllm_smoke": "skipped"}, st
+    assert read_json(os.path.join(run_dir, "metadata.json"))["stages"]["export"]["reason"] == (
+        f"resume: outputs re-verified against the manifest ({len(listed)} files; the stage's job had ended node_fail)")
+    jobs = json.load(open(os.path.join(run_dir, "slurm", "jobs.json")))
+    assert "export" not in jobs["stages"]   # not resubmitted
+    kept_from = jobs["previous"][-1]["stages"]["export"]   # the job (C2) whose outputs were kept
+    assert kept_from["final_state"] == "NODE_FAIL" and kept_from["final_info"]["node_list"] == "node[01-02]"
     for stage in ("quantize", "mmlu", "export"):   # rank 0's preflight line: both nodes, gloo on eth0
         assert re.search(r"across 2 nodes \(master node01:\d+, gloo via eth0\)",
                          open(os.path.join(run_dir, stage, "log.txt")).read()), stage

@@ -63,6 +63,10 @@ def validate(cfg: DictConfig, check_paths: bool = True) -> list[str]:
     if _check_recipe(cfg, err) and cfg.stages.quantize.enabled:
         _check_calibration_at_ep(cfg, err)
     _check_executor(cfg, err)
+    for key in cfg.env or {}:
+        if str(key).startswith("PTQ_TEST_"):   # launcher.hold: a test's hook, never a config's
+            err.add(f"env.{key}", cfg.env[key], "PTQ_TEST_* variables are test hooks (launcher/hold.py); "
+                    "a config may not set them")
     if not enabled_stages(cfg):
         err.add("stages", "all disabled", "enable at least one of " + ", ".join(schema.STAGE_ORDER))
     for stage in enabled_stages(cfg):

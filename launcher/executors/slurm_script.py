@@ -138,9 +138,10 @@ def render_sbatch(plan: StagePlan, cfg: SlurmExecutorConfig, run_dir: str, job_n
         value = getattr(cfg, key)
         if value:
             sb.append(f"--{key}={value}")
-    # a node failure must end the stage (NODE_FAIL, reported; `launch --resume` reruns it), not put
-    # the job back in the queue to rerun unseen when the node returns (Slurm requeues batch jobs
-    # by default); a site that wants that passes --requeue in sbatch_args, which comes later and wins
+    # a node failure must end the stage (NODE_FAIL, reported; `launch --resume` reruns it, or re-verifies
+    # its outputs if its manifest was written), not put the job back in the queue to rerun unseen when
+    # the node returns (Slurm requeues batch jobs by default); a site that wants that passes --requeue
+    # in sbatch_args, which comes later and wins
     sb.append("--no-requeue")
     # site-specific flags (--constraint=..., --reservation=..., --exclusive): executor.sbatch_args
     sb += [str(a) for a in cfg.sbatch_args]
