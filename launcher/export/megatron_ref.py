@@ -200,15 +200,14 @@ def fake_quantized_references(linears: list[MappedLinear]) -> dict:
     ``weight_quantizer(weight)``; unquantized linears: the weight."""
     import torch
 
-    from launcher.megatron.exported_weights import exported_weight
+    from launcher.megatron.exported_weights import gated_weight
 
     out = {}
     with torch.no_grad():
         for m in linears:
             w = m.module.weight
             if m.weight_quantized:
-                exported = exported_weight(m.module)
-                w = m.module.weight_quantizer(w) if exported is None else exported
+                w = gated_weight(m.module)
             for name, part in zip(m.hf_names, m.split(w.detach())):
                 out[name] = (m.kind, part.cpu().clone())
     return out

@@ -69,6 +69,14 @@ def exported_weight(module, dtype=None):
     return value.to(weight.dtype).reshape(weight.shape)
 
 
+def gated_weight(module, dtype=None):
+    """The weight the MMLU gate evaluates for a quantized linear: ``exported_weight`` where the
+    exporter packs the module's format, else ``weight_quantizer(weight)`` (the fold and the
+    export verifier's references both take it from here)."""
+    value = exported_weight(module, dtype)
+    return module.weight_quantizer(module.weight) if value is None else value
+
+
 def _nvfp4_value(codes, scale, scale_2, block: int, shape):
     import torch
     from modelopt.torch.quantization.qtensor import NVFP4QTensor

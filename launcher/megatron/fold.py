@@ -45,7 +45,7 @@ def fold_weight_quantizers(model, export_dtype=None) -> dict[str, Any]:
     """
     import torch
 
-    from launcher.megatron.exported_weights import exported_weight
+    from launcher.megatron.exported_weights import exported_format, gated_weight
 
     uses: dict[int, int] = {}   # tensor start address -> parameters starting there (tied weights)
     for _, p in model.named_parameters(remove_duplicate=False):
@@ -60,9 +60,8 @@ def fold_weight_quantizers(model, export_dtype=None) -> dict[str, Any]:
             if uses.get(w.data_ptr(), 0) > 1:
                 skipped.append(name)
                 continue
-            value = exported_weight(module, export_dtype)
-            as_exported += value is not None
-            w.data.copy_(q(w) if value is None else value)
+            as_exported += exported_format(module) is not None
+            w.data.copy_(gated_weight(module, export_dtype))
             _disable(q)
             folded.append(name)
     return {"folded": len(folded), "modules": folded, "skipped_shared": skipped, "as_exported": as_exported}
