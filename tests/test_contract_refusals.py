@@ -101,7 +101,7 @@ def test_validate_imports_no_torch_for_these_checks():
     assert proc.returncode == 0, proc.stderr
 
 
-RUN_FLAGS = "--detach, --dry-run, --help, --json, --no-check-paths, --preflight, --resume, --run-id, --runs-root, -h"
+RUN_FLAGS = "--detach, --dry-run, --help, --history, --json, --no-check-paths, --preflight, --resume, --run-id, --runs-root, -h"
 
 
 @pytest.mark.parametrize("argv, flag, owner", [
