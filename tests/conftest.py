@@ -1,5 +1,6 @@
 """Shared fixtures: the tiny embedded-default model (built once, cached by its recipe hash)."""
 import os
+import re
 
 import pytest
 
@@ -35,3 +36,60 @@ def smollm2_dir():
 
     ensure_calibration_text()   # the SmolLM2 example's calib.dataset, beside the checkpoint
     return str(ensure_smollm2())
+
+
+# ---------------------------------------------------------------- the torch-free run (make test-fast)
+# PTQ_TORCH_FREE=1 (set by `make test-fast`): the run must not import torch, neither while collecting
+# nor in any test.  Tests that need torch carry the `torch` marker (or `slow`), which test-fast
+# deselects; one that imports torch without it fails the run, named here.
+TORCH_FREE = os.environ.get("PTQ_TORCH_FREE") == "1"
+_torch_importers: list[str] = []
+_MODULE_MARK = re.compile(r"^pytestmark = \[?[^\n]*pytest\.mark\.(torch|gpu)\b", re.MULTILINE)
+
+
+def pytest_ignore_collect(collection_path, config):
+    """A torch-free run does not import a module marked `torch` or `gpu` as a whole (such modules
+    import torch when imported)."""
+    if TORCH_FREE and collection_path.suffix == ".py" and collection_path.name.startswith("test_"):
+        return bool(_MODULE_MARK.search(collection_path.read_text(encoding="utf-8"))) or None
+    return None
+
+
+def _torch_loaded() -> bool:
+    import sys
+
+    return "torch" in sys.modules
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    before = _torch_loaded()
+    yield
+    if TORCH_FREE and not before and _torch_loaded():
+        _torch_importers.append(f"{collector.nodeid or collector.name} (while collecting)")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    before = _torch_loaded()
+    yield
+    if TORCH_FREE and not before and _torch_loaded():
+        _torch_importers.append(item.nodeid)
+
+
+# fixtures that build or load a model with torch: a test using one (directly or through another
+# fixture) is a `torch` test without saying so
+TORCH_FIXTURES = frozenset({"tiny_dir", "random_tiny_moe", "smollm2_dir"})
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if TORCH_FIXTURES & set(getattr(item, "fixturenames", ())) or item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.torch)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if TORCH_FREE and _torch_importers:
+        print("\n[torch-free] these imported torch in a torch-free run; mark them `torch` (or make them "
+              "torch-free):\n  " + "\n  ".join(_torch_importers))
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -42,6 +42,8 @@ def free_port() -> int:
 def run_on_ranks(target: str, nprocs: int, kwargs: dict | None = None, timeout_s: float = 300,
                  env: dict[str, str] | None = None, tail_chars: int = 6000) -> list:
     """Run ``target`` ("package.module:function") on ``nprocs`` ranks; return each rank's result."""
+    if os.environ.get("PTQ_TORCH_FREE") == "1":
+        raise AssertionError(f"{target}: starts torch ranks in a torch-free run (make test-fast); mark the test `torch`")
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="ranks-") as workdir:
         procs, logs = [], []

@@ -20,6 +20,8 @@ from distributed_utils import run_on_ranks
 
 RECIPES = ("none", "NVFP4_DEFAULT_CFG", "FP8_DEFAULT_CFG")
 
+pytestmark = pytest.mark.torch   # imports torch, Megatron or ModelOpt (in-process or in its ranks)
+
 
 def fast_paths_worker(hf_path: str) -> dict:
     import torch

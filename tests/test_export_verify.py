@@ -17,6 +17,8 @@ from distributed_utils import run_on_ranks, write_tiny_qwen3_moe
 
 NUM_LAYERS, NUM_EXPERTS = 2, 8
 
+pytestmark = pytest.mark.torch   # imports torch, Megatron or ModelOpt (in-process or in its ranks)
+
 
 # ---------------------------------------------------------------- the rank's code (subprocess)
 

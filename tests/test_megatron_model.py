@@ -15,6 +15,8 @@ from distributed_utils import hf_logits, run_on_ranks
 
 LOGITS_TOLERANCE = 1e-4   # fp32, max |megatron - transformers|
 
+pytestmark = pytest.mark.torch   # imports torch, Megatron or ModelOpt (in-process or in its ranks)
+
 
 def logits_worker(hf_path: str, layouts: list[dict]) -> dict:
     """Per layout: max |diff| vs transformers on the last PP stage, and whether groups matched."""

@@ -125,6 +125,7 @@ def byte_tokenizer(tmp_path_factory):
     return AutoTokenizer.from_pretrained(path)
 
 
+@pytest.mark.torch
 def test_choice_ids_and_encoding(byte_tokenizer):
     from launcher.mmlu.prompts import Prompt, choice_token_ids, encode_prompts
 

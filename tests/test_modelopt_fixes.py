@@ -11,6 +11,7 @@ import pytest
 
 from distributed_utils import run_on_ranks, write_tiny_qwen3_moe
 
+pytestmark = pytest.mark.torch
 torch = pytest.importorskip("torch")
 
 

@@ -27,6 +27,8 @@ needs_mamba_ssm = pytest.mark.skipif(importlib.util.find_spec("mamba_ssm") is No
 LOGITS_TOLERANCE = 1e-4          # fp32, max |megatron - transformers|
 SEQ = 21                         # > 2 chunks of 8
 
+pytestmark = pytest.mark.torch   # imports torch, Megatron or ModelOpt (in-process or in its ranks)
+
 
 @pytest.fixture(scope="module")
 def random_nemotron_h(tmp_path_factory):

@@ -29,6 +29,7 @@ def test_mcnemar_exact_p_equals_scipy_binomtest(n10, n01):
     assert mcnemar_exact_p(n10, n01) == pytest.approx(want, abs=1e-12)
 
 
+@pytest.mark.torch
 def test_kl_equals_torch():
     torch = pytest.importorskip("torch")
     base, quant = [2.0, -1.0, 0.5, 3.0], [1.5, -0.5, 0.5, 3.5]

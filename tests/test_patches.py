@@ -20,6 +20,8 @@ from distributed_utils import REPO_ROOT, run_on_ranks
 needs_mamba_ssm = pytest.mark.skipif(importlib.util.find_spec("mamba_ssm") is None,
                                      reason="mamba_ssm is not installed (scripts/setup_venv.sh installs it)")
 
+pytestmark = pytest.mark.torch   # imports torch, Megatron or ModelOpt (in-process or in its ranks)
+
 
 def _run(code: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True,

@@ -16,6 +16,8 @@ from distributed_utils import REPO_ROOT, run_on_ranks, write_byte_tokenizer, wri
 
 NUM_LAYERS, NUM_EXPERTS = 2, 8
 
+pytestmark = pytest.mark.torch   # imports torch, Megatron or ModelOpt (in-process or in its ranks)
+
 
 def write_calibration_jsonl(path: str, n: int = 12) -> str:
     words = "the quick brown fox jumps over a lazy dog while seven experts route every token".split()

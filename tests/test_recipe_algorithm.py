@@ -3,10 +3,14 @@ rule) agrees with the algorithm of the config ModelOpt itself resolves, for ever
 config it can read and every built-in PTQ recipe."""
 import os
 
+import pytest
+
 from launcher.config.schema import RecipeConfig
 from launcher.quant.recipes import (
     EP_UNSAFE_ALGORITHMS, _load_named, _load_recipe_yaml, calibration_algorithm, declared_algorithm,
     named_modelopt_configs)
+
+pytestmark = pytest.mark.torch   # compares with the configs ModelOpt itself resolves
 
 
 def test_declared_algorithm_of_named_configs_agrees_with_modelopt():

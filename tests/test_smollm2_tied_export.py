@@ -11,6 +11,8 @@ import pytest
 
 from launcher.export.verify import verify_export
 
+pytestmark = pytest.mark.torch   # imports torch, Megatron or ModelOpt (in-process or in its ranks)
+
 
 def write_checkpoint(path, tie: bool, tensors: tuple[str, ...]) -> str:
     from safetensors.numpy import save_file

@@ -18,6 +18,7 @@ def valid_layouts(max_world=16):
             yield ParallelDims(world_size=world, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp)
 
 
+@pytest.mark.torch
 def test_matches_megatron_rank_generator_for_every_layout_up_to_16_ranks():
     ps = pytest.importorskip("megatron.core.parallel_state")
     order = "tp-cp-ep-dp-pp"
