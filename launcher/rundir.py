@@ -120,9 +120,6 @@ class RunDirectory:
     def write_config(self, cfg: DictConfig) -> None:
         write_text_atomic(self.config_path(), OmegaConf.to_yaml(masked_config(cfg)))
 
-    def load_config(self) -> DictConfig:
-        return OmegaConf.load(self.config_path())
-
     def stage_dir(self, stage: str) -> str:
         return self.layout.stage_dir(stage)
 

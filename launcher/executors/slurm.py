@@ -172,11 +172,6 @@ class SlurmExecutor:
     def describe(self, plan: StagePlan) -> list[str]:
         return ["sbatch <<'EOF'\n" + render_sbatch(plan, self.cfg, self.run_dir) + "EOF"]
 
-    # ------------------------------------------------------------------ helpers for the pipeline
-    def worker_argv(self, stage: str) -> list[str]:
-        """What every rank of ``stage`` runs inside the allocation (executor.python, not this one)."""
-        return [str(self.cfg.python), "-m", "launcher.worker", stage, self.run_dir]
-
     # ------------------------------------------------------------------ submit
     def submit(self, plans: list[StagePlan]) -> list[str]:
         """Submit one job per plan, in order, each depending on the ones before; returns job ids.

@@ -5,8 +5,9 @@ the shard mode and the MoE token dispatcher.  Output: ``ShardPlan.steps[rank]``,
 ``Step(batch, padded_len, rows)``; ``batch is None`` is a dummy forward whose output is dropped.
 
 Modes
-* ``lockstep`` - the reference fix: shard over expert-DP when ep > 1 (else DP); every rank of an
-  EP group evaluates the same batches.  At EP=4 on 4 ranks every rank evaluates every batch.
+* ``lockstep`` - shard over expert-DP when ep > 1 (else DP): every rank of an EP group evaluates
+  the same batches, so EP peers trivially agree on every forward, at the price of redundancy (at
+  EP=4 on 4 ranks every rank evaluates every batch).
 * ``balanced`` (``auto``) - shard over DP: every DP rank has its own batches, dealt in snake
   order over batches sorted by padded tokens (largest first), which balances tokens and keeps
   per-rank batch counts within one of each other.  Ranks that meet in a forward's collectives
@@ -14,7 +15,8 @@ Modes
   forward calls: dummies fill the tail.  With the ``allgather`` dispatcher the component also
   agrees, per step, on the padded shape (max rows, max length of the step's batches; a dummy
   takes that shape); with ``alltoall`` a dummy is one row of the shortest padded length.
-* ``dense_dp`` - the pre-fix seed bug: shard over DP, no equalization.  Refused at ep > 1 unless
+* ``dense_dp`` - shard over DP with no equalization: at ep > 1 EP peers make different numbers of
+  forward calls and the expert all-to-all desyncs.  Refused at ep > 1 unless
   ``allow_unsafe_shard_mode`` (tests reproduce the desync with it; the guard stops it).
 
 TP, CP and PP peers always share the DP index, so they see the same batches; ``plan_shards``

@@ -42,10 +42,6 @@ class StageContext:
         """Every shared path of the run directory (quantize checkpoint, mmlu results, ...)."""
         return RunLayout(self.run_dir)
 
-    def path(self, stage: str, *parts: str) -> str:
-        """A path inside another stage's directory (e.g. ctx.path("quantize", "checkpoint"))."""
-        return os.path.join(self.run_dir, stage, *parts)
-
     def log(self, msg: str, all_ranks: bool = False) -> None:
         """Progress line on stdout (the executor tees it to <stage>/log.txt and the console)."""
         if all_ranks or self.rank == 0:
