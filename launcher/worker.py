@@ -69,7 +69,7 @@ def main(argv: list[str]) -> int:
     from launcher.stages import registry
     from launcher.stages.context import StageContext
 
-    from launcher.config.compose import cache_dir
+    from launcher.paths import cache_dir
 
     share_kernel_caches(cache_dir())   # before torch: triton and inductor read these at import
     cfg = load_run_config(RunLayout(run_dir).config_yaml)
