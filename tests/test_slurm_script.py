@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 from launcher.schema import SlurmExecutorConfig
 from launcher.executors.base import StagePlan
-from launcher.executors.slurm_env import expand_hostlist, rendezvous_defaults, tasks_on_node
+from launcher.slurm_env import expand_hostlist, rendezvous_defaults, tasks_on_node
 from launcher.executors.slurm_script import ScriptError, dependency_spec, render_sbatch, split_secret_env
 from launcher.executors.slurm_state import (
     failure_lines_of_log,

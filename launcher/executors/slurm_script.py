@@ -34,7 +34,7 @@ import shlex
 from typing import TYPE_CHECKING, Mapping, Optional, Sequence
 
 from launcher.executors.base import StagePlan
-from launcher.executors.slurm_env import DERIVED_PORT_BASE, DERIVED_PORT_SPAN
+from launcher.slurm_env import DERIVED_PORT_BASE, DERIVED_PORT_SPAN
 from launcher.contract import split_secrets  # one rule for what is a secret: config.yaml masks the same names
 
 if TYPE_CHECKING:   # a DictConfig merged onto it (compose, the worker) or the dataclass
