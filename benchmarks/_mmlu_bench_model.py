@@ -161,7 +161,7 @@ class ModelBench:
     def run(self) -> dict:
         from omegaconf import OmegaConf
 
-        from launcher.config.schema import MmluStage
+        from launcher.schema import MmluStage
         from launcher.mmlu.batching import AUTO_MIN_FILL, BatchLimits
         from launcher.mmlu.evaluate import prepare_model_for_eval, release_model_after_eval
         from launcher.stages.mmlu import batch_limits, prepare

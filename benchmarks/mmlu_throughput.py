@@ -39,7 +39,7 @@ from benchmarks._common import (MMLU_JSONL, log, markdown_table, read_jsonl,  # 
 def mmlu_cfg(dataset: str, fraction: float, batch_size: int, max_batch_tokens):
     from omegaconf import OmegaConf
 
-    from launcher.config.schema import MmluStage
+    from launcher.schema import MmluStage
 
     return OmegaConf.merge(OmegaConf.structured(MmluStage(dataset=dataset)),
                            {"fraction": fraction, "few_shots": 0, "batch_size": batch_size,

@@ -61,7 +61,8 @@ def overhead(runs: int) -> dict:
 def card_overrides(hf: str) -> list[str]:
     """``model.<key>=<value>`` for every model-card field derived from the checkpoint's config.json
     (the validator requires the card to agree with the checkpoint)."""
-    from launcher.config.hf_card import card_from_hf_config, read_hf_config
+    from launcher.config.hf_card import card_from_hf_config
+    from launcher.hf_config import read_hf_config
 
     out = []
     for key, value in card_from_hf_config(read_hf_config(hf)).items():

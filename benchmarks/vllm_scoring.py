@@ -58,7 +58,7 @@ def main() -> int:
 
     from omegaconf import OmegaConf
 
-    from launcher.config.schema import PipelineConfig
+    from launcher.schema import PipelineConfig
     from launcher.stages.mmlu import load_tokenizer
     from launcher.vllm.gate_questions import load_gate_set
     from launcher.vllm.probe import probe_platform, vllm_env, vllm_python

@@ -35,7 +35,7 @@ class StageName(StrEnum):
 STAGE_ORDER = tuple(s.value for s in StageName)
 
 
-# The value sets of the config's choice keys (launcher.config.schema types its fields with them):
+# The value sets of the config's choice keys (launcher.schema types its fields with them):
 # each member's name is its value, as OmegaConf writes and reads an Enum field by name.
 class Choice(StrEnum):
     """A config value out of a fixed set: compares, formats and repr()s as its plain string."""

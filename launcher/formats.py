@@ -44,7 +44,7 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
     Format("int8_sq", not_carried="the quantize stage has no recipe check for it (INT8 SmoothQuant) and "
            + _NO_VERIFIER),
 )}
-# the recipe.format field's type (launcher.config.schema): every name of the table, carried or not
+# the recipe.format field's type (launcher.schema): every name of the table, carried or not
 FormatName = Choice("FormatName", [(name, name) for name in FORMATS])
 CARRIED = tuple(name for name, f in FORMATS.items() if f.not_carried is None)
 

@@ -20,9 +20,9 @@ from typing import Optional
 from xml.etree import ElementTree as ET
 
 from launcher.config.compose import ConfigError, compose_example
-from launcher.config.hf_card import read_hf_config
 from launcher.config.validate import enabled_stages, stage_dims, validate
 from launcher.contract import RunLayout, StageName, UserError
+from launcher.hf_config import read_hf_config_if_present
 from launcher.rundir import read_json
 
 GPU_ONLY_ARCHITECTURES = {"NemotronHForCausalLM": "needs Mamba kernels (mamba_ssm, CUDA)"}
@@ -52,7 +52,7 @@ def gpu_count() -> int:
 
 def why_not_runnable(cfg, gpus: int) -> Optional[str]:
     """None when this machine can run the example, else the reason."""
-    if read_hf_config(cfg.model.path) is None:
+    if read_hf_config_if_present(cfg.model.path) is None:
         return f"checkpoint not on this machine ({cfg.model.path})"
     if gpus == 0 and cfg.model.architecture in GPU_ONLY_ARCHITECTURES:
         return f"{cfg.model.architecture} {GPU_ONLY_ARCHITECTURES[cfg.model.architecture]}; this machine has no GPU"

@@ -51,7 +51,7 @@ def main(argv: list[str]) -> int:
     stage, run_dir = argv[0], os.path.abspath(argv[1])
     preflight_only = "--preflight-only" in argv[2:]
     # Environment first: set by the local agent, or derived from srun's.
-    from launcher.executors.slurm_env import rendezvous_defaults
+    from launcher.slurm_env import rendezvous_defaults
     from launcher.megatron.dist import rank_env  # no torch import at module level
 
     env = rank_env()
@@ -69,7 +69,7 @@ def main(argv: list[str]) -> int:
     from launcher.stages import registry
     from launcher.stages.context import StageContext
 
-    from launcher.config.compose import cache_dir
+    from launcher.paths import cache_dir
 
     share_kernel_caches(cache_dir())   # before torch: triton and inductor read these at import
     cfg = load_run_config(RunLayout(run_dir).config_yaml)

@@ -124,7 +124,7 @@ def run_ours(model_dir: str, test_file: str, dev_file: str, shots: int) -> list[
     """The gate's prepare + evaluate_model on the Megatron model (world size 1, this process)."""
     from omegaconf import OmegaConf
 
-    from launcher.config.schema import MmluStage
+    from launcher.schema import MmluStage
     from launcher.megatron.dist import init_distributed, shutdown
     from launcher.megatron.hf_io import import_hf_weights
     from launcher.megatron.models import build_model

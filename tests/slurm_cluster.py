@@ -334,7 +334,7 @@ class SlurmCluster:
         """
         from omegaconf import OmegaConf
 
-        from launcher.config.schema import SlurmExecutorConfig
+        from launcher.schema import SlurmExecutorConfig
 
         repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         cfg = OmegaConf.structured(SlurmExecutorConfig)

@@ -21,7 +21,7 @@ def save_and_reload_worker(hf_path: str, ckpt: str, reload_layouts: list[dict], 
     from omegaconf import OmegaConf
 
     import modelopt.torch.quantization as mtq
-    from launcher.config.schema import RecipeConfig
+    from launcher.schema import RecipeConfig
     from launcher.megatron.checkpoint import load_checkpoint, save_checkpoint
     from launcher.megatron.dist import init_distributed, shutdown
     from launcher.megatron.forward import forward_logits

@@ -8,7 +8,7 @@ import pytest
 
 from conftest import ROOT
 from launcher import contract
-from launcher.config.schema import Stages
+from launcher.schema import Stages
 from launcher.contract import (
     STAGE_ORDER, ExitCode, JobState, RunLayout, StageFailed, StageStatus, atomic_dir, split_secrets,
     write_json_atomic)

@@ -10,7 +10,7 @@ import pytest
 
 from conftest import ROOT
 from launcher.cli import main
-from launcher.config.schema import RecipeConfig
+from launcher.schema import RecipeConfig
 
 TINY = "examples/tiny/Qwen3-MoE-tiny/megatron_lm_ptq.yaml"
 NANO = "examples/nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16/megatron_lm_ptq.yaml"

@@ -76,7 +76,7 @@ def pipelines_worker(runs: list, device: str = "cpu") -> dict:
 
 
 def _tiny_source(tmp_path_factory) -> str:
-    from launcher.config.compose import cache_dir
+    from launcher.paths import cache_dir
 
     built = os.path.join(cache_dir(), "tiny", "Qwen3-MoE-tiny", "hf")
     if os.path.isfile(os.path.join(built, "config.json")):
@@ -98,9 +98,10 @@ def _config(src: str, calib: str, recipe: str, runs_root: str, quantize: bool = 
             quantize_parallel=None, export_parallel=None) -> str:
     from omegaconf import OmegaConf
 
-    from launcher.config import schema
-    from launcher.config.compose import RECIPES_DIR
-    from launcher.config.hf_card import card_from_hf_config, read_hf_config
+    from launcher import schema
+    from launcher.paths import RECIPES_DIR
+    from launcher.config.hf_card import card_from_hf_config
+    from launcher.hf_config import read_hf_config
 
     card = {**card_from_hf_config(read_hf_config(src)), "name": "tiny", "path": src}
     cfg = OmegaConf.merge(OmegaConf.structured(schema.PipelineConfig), {

@@ -59,8 +59,8 @@ def make_exports_worker(src: str, out: str) -> dict:
     # NVFP4 in blocks of 32, experts only
     import yaml
 
-    from launcher.config.compose import REPO_ROOT
-    from launcher.config.schema import RecipeConfig
+    from launcher.paths import REPO_ROOT
+    from launcher.schema import RecipeConfig
     from launcher.quant.recipes import resolve_quant_cfg
 
     with open(os.path.join(REPO_ROOT, "recipes", "nvfp4_mlp_weight_only.yaml")) as f:

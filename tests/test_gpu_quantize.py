@@ -92,7 +92,7 @@ def test_cpu_nvfp4_path_matches_gpu_kernel(tiny_moe):
 def gpu_quantize_worker(hf_path: str, cfg_names: list[str]) -> dict:
     import modelopt.torch.quantization as mtq
 
-    from launcher.config.schema import RecipeConfig
+    from launcher.schema import RecipeConfig
     from launcher.megatron.dist import init_distributed, shutdown
     from launcher.megatron.forward import forward_logits
     from launcher.megatron.hf_io import import_hf_weights

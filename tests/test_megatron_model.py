@@ -114,7 +114,7 @@ def test_nemotron_h_config_from_config_json():
     tests/test_nemotron_h_model.py)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from launcher.config.hf_card import nemotron_h_pattern
+    from launcher.hf_config import nemotron_h_pattern
     from launcher.megatron.models import _nemotron_h_config_kwargs
 
     pattern = "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"

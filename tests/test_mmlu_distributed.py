@@ -41,7 +41,7 @@ def write_fixture_csv(root: str) -> str:
 def mmlu_cfg(dataset: str, **over):
     from omegaconf import OmegaConf
 
-    from launcher.config.schema import MmluStage
+    from launcher.schema import MmluStage
 
     return OmegaConf.merge(OmegaConf.structured(MmluStage(dataset=dataset)),
                            {"few_shots": 1, "batch_size": 2, **over})

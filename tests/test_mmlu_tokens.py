@@ -90,7 +90,7 @@ def tiny_tok(tiny_dir):
 def _cfg(dataset, **over):
     from omegaconf import OmegaConf
 
-    from launcher.config.schema import MmluStage
+    from launcher.schema import MmluStage
 
     return OmegaConf.merge(OmegaConf.structured(MmluStage(dataset=dataset)), over)
 

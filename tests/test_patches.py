@@ -103,7 +103,7 @@ def test_undo_restores_the_originals_and_cpu_patches_refuse_where_cuda_is_visibl
 def test_local_executor_hides_gpus_from_cpu_ranks():
     from omegaconf import OmegaConf
 
-    from launcher.config.schema import LocalExecutorConfig
+    from launcher.schema import LocalExecutorConfig
     from launcher.executors.base import StagePlan
     from launcher.executors.local import LocalExecutor
 

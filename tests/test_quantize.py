@@ -32,7 +32,7 @@ def write_calibration_jsonl(path: str, n: int = 12) -> str:
 def stage_config(hf_path: str, calib_path: str, recipe_file: str, exclude_modules: list[str], layout: dict):
     from omegaconf import OmegaConf
 
-    from launcher.config.schema import ModelCard, RecipeConfig, Stages
+    from launcher.schema import ModelCard, RecipeConfig, Stages
 
     recipe = OmegaConf.merge(OmegaConf.structured(RecipeConfig), OmegaConf.load(recipe_file))
     recipe.exclude_modules = exclude_modules
@@ -52,7 +52,7 @@ def quantize_each_recipe(hf_path: str, recipe_names: list[str]) -> dict:
     from omegaconf import OmegaConf
 
     import modelopt.torch.quantization as mtq
-    from launcher.config.schema import RecipeConfig
+    from launcher.schema import RecipeConfig
     from launcher.megatron.forward import forward_logits
     from launcher.megatron.hf_io import import_hf_weights
     from launcher.megatron.models import build_model, unwrap_model
@@ -195,7 +195,7 @@ def test_every_quantizing_recipe_quantizes_the_moe(quantize_run):
 def test_recipes_resolve_and_reject():
     from omegaconf import OmegaConf
 
-    from launcher.config.schema import RecipeConfig
+    from launcher.schema import RecipeConfig
     from launcher.quant.recipes import resolve_quant_cfg
 
     loaded = {}

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from launcher.config.schema import RecipeConfig
+from launcher.schema import RecipeConfig
 from launcher.quant.recipes import (
     EP_UNSAFE_ALGORITHMS, _load_named, _load_recipe_yaml, calibration_algorithm, declared_algorithm,
     named_modelopt_configs)

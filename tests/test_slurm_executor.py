@@ -20,7 +20,7 @@ try:  # tests/ on sys.path (pytest's default rootdir-relative import) or tests a
 except ImportError:  # pragma: no cover
     from tests.slurm_cluster import slurm_cluster  # noqa: F401
 
-from launcher.config.schema import SlurmExecutorConfig
+from launcher.schema import SlurmExecutorConfig
 from launcher.executors.base import StagePlan
 from launcher.executors.slurm import SlurmError, SlurmExecutor
 

@@ -32,13 +32,13 @@ except ImportError:  # pragma: no cover
 from launcher import hold
 from launcher.executors.base import StagePlan
 from launcher.executors.slurm import SlurmExecutor
-from launcher.executors.slurm_env import derived_port
+from launcher.slurm_env import derived_port
 
 pytestmark = [pytest.mark.slurm]
 
 RANK_SCRIPT = r"""
 import datetime, json, os, socket
-from launcher.executors.slurm_env import rendezvous_defaults
+from launcher.slurm_env import rendezvous_defaults
 from launcher.megatron import dist as mdist
 env = mdist.rank_env()
 bare = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}

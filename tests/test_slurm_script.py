@@ -11,9 +11,9 @@ import os
 import pytest
 from omegaconf import OmegaConf
 
-from launcher.config.schema import SlurmExecutorConfig
+from launcher.schema import SlurmExecutorConfig
 from launcher.executors.base import StagePlan
-from launcher.executors.slurm_env import expand_hostlist, rendezvous_defaults, tasks_on_node
+from launcher.slurm_env import expand_hostlist, rendezvous_defaults, tasks_on_node
 from launcher.executors.slurm_script import ScriptError, dependency_spec, render_sbatch, split_secret_env
 from launcher.executors.slurm_state import (
     failure_lines_of_log,

@@ -90,7 +90,8 @@ def test_cli_refuses_a_wrong_wheel(tmp_path):
 def test_every_shipped_recipe_validates_on_the_smollm2_example():
     """recipes/nvfp4_mlp_weight_only.yaml names a ModelOpt built-in recipe (general/ptq/...), which
     validation used to refuse as 'file does not exist'; an unknown name is still refused."""
-    from launcher.config.compose import ConfigError, compose_example, recipe_names
+    from launcher.config.compose import ConfigError, compose_example
+    from launcher.paths import recipe_names
     from launcher.config.validate import validate
 
     example = os.path.join(ROOT, "examples", "HuggingFaceTB", "SmolLM2-135M-Instruct", "megatron_lm_ptq.yaml")

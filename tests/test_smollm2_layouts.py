@@ -104,7 +104,7 @@ def layouts_worker(hf_path: str, logit_layouts: list[dict], stage_layout: dict |
     """Logits at ``logit_layouts``; then the mmlu stage once per entry of ``runs`` at ``stage_layout``."""
     from omegaconf import OmegaConf
 
-    from launcher.config.schema import MmluStage
+    from launcher.schema import MmluStage
     from launcher.megatron.dist import init_distributed, shutdown
     from launcher.stages import mmlu as stage
     from launcher.stages.context import StageContext, StageFailed

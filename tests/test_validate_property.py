@@ -29,8 +29,9 @@ import random
 from omegaconf import OmegaConf
 
 from conftest import ROOT
-from launcher.config.compose import RECIPES_DIR, ConfigError, compose_example, recipe_names
-from launcher.config.schema import RecipeConfig
+from launcher.config.compose import ConfigError, compose_example
+from launcher.paths import RECIPES_DIR, recipe_names
+from launcher.schema import RecipeConfig
 from launcher.config.validate import enabled_stages, stage_dims, validate
 
 # 150 per example (1050 cases; 38 s measured on the 2-core dev machine at load average 7) in `make test`;
@@ -235,7 +236,7 @@ def schema_keys() -> list[tuple[str, object, type, str]]:
     import typing
 
     from launcher.config.compose import EXECUTOR_SCHEMAS
-    from launcher.config.schema import PipelineConfig
+    from launcher.schema import PipelineConfig
 
     out = []
 
@@ -273,7 +274,7 @@ def invalid_values(key, f, hint, tmp) -> list:
     """Values of the key's own type that its rule refuses (none for booleans, lists, free text)."""
     import re
 
-    from launcher.config import rules
+    from launcher import schema_rules as rules
 
     rule = rules.rule_of(f)
     if isinstance(rule, rules.Range):
@@ -294,7 +295,7 @@ def invalid_values(key, f, hint, tmp) -> list:
 def test_every_schema_key_states_what_is_valid():
     """Numbers have a Range (or a checker that owns them), paths a kind, strings a rule; choices are
     Enums; only booleans, lists and mappings go without."""
-    from launcher.config import rules
+    from launcher import schema_rules as rules
 
     bare = []
     for key, f, hint, _ in schema_keys():

@@ -92,7 +92,7 @@ def test_gate_answer_from_results_entry():
 def _mmlu_cfg(dataset, **kw):
     from omegaconf import OmegaConf
 
-    from launcher.config.schema import MmluStage
+    from launcher.schema import MmluStage
     return OmegaConf.merge(OmegaConf.structured(MmluStage), {"dataset": dataset, **kw})
 
 

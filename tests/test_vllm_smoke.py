@@ -34,7 +34,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from conftest import ROOT, TINY_EXAMPLE
-from launcher.config.schema import PipelineConfig
+from launcher.schema import PipelineConfig
 from launcher.stages import vllm_smoke
 from launcher.stages.context import StageContext, StageFailed
 from launcher.topology import ParallelDims

@@ -15,14 +15,13 @@ from typing import Sequence
 from omegaconf import DictConfig, OmegaConf
 
 from launcher import formats
-from launcher.config import schema
+from launcher import schema
 from launcher.contract import UserError
-from launcher.config.hf_card import card_from_hf_config, read_hf_config
+from launcher.config.hf_card import card_from_hf_config
+from launcher.hf_config import read_hf_config_if_present
+from launcher.paths import PACKAGE_DIR, RECIPES_DIR, REPO_ROOT, cache_dir, recipe_names
 
-PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-REPO_ROOT = os.path.dirname(PACKAGE_DIR)
 CONF_DIR = os.path.join(PACKAGE_DIR, "conf")
-RECIPES_DIR = os.environ.get("PTQ_RECIPES_DIR", os.path.join(REPO_ROOT, "recipes"))
 
 GROUP_SCHEMAS = {
     "model": schema.ModelCard,
@@ -35,11 +34,6 @@ class ConfigError(UserError):
     """A user error in a config: names the key, the value and what would be valid."""
 
 
-def cache_dir() -> str:
-    """Where built artefacts (the tiny model, its data) live: $PTQ_CACHE_DIR or <repo>/.cache."""
-    return os.path.abspath(os.environ.get("PTQ_CACHE_DIR", os.path.join(REPO_ROOT, ".cache")))
-
-
 def _register_resolvers() -> None:
     if not OmegaConf.has_resolver("ptq_cache"):
         OmegaConf.register_new_resolver("ptq_cache", cache_dir)
@@ -50,10 +44,6 @@ def _register_resolvers() -> None:
 def _group_options(directory: str) -> dict[str, str]:
     return {os.path.splitext(os.path.basename(p))[0]: p
             for p in sorted(glob.glob(os.path.join(directory, "*.yaml")))}
-
-
-def recipe_names() -> list[str]:
-    return sorted(_group_options(RECIPES_DIR))
 
 
 def register_configs() -> None:
@@ -211,7 +201,7 @@ def _complete_model_card(cfg: DictConfig) -> None:
     if not path:
         raise ConfigError("model.path is required with model=from_checkpoint (a local HF checkpoint directory)")
     try:
-        hf = read_hf_config(path)
+        hf = read_hf_config_if_present(path)
         if hf is None:
             raise ConfigError(f"model.path={path!r}: no config.json there; model=from_checkpoint needs a "
                               "local checkpoint")

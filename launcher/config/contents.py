@@ -5,7 +5,7 @@ Each check lives beside the code that reads the file for real, and reads it the 
 * ``stages.mmlu.dataset`` / ``dev_dataset``  -> ``launcher.mmlu.data.check_contents``
 * ``stages.quantize.calib.dataset``          -> ``launcher.quant.calibration.check_contents``
 * ``recipe.recipe_path``                     -> ``launcher.quant.recipe_yaml`` (called with the recipe's checks)
-* ``model.path``/config.json                 -> ``launcher.config.hf_card.config_json_problems`` (with the card's)
+* ``model.path``/config.json                 -> ``launcher.hf_config.config_json_problems`` (with the card's)
 
 ``content_problems(cfg, reported)`` runs the first two for the enabled stages whose keys passed
 the schema's rules; one line per problem, each naming the key, the file and its line or record.

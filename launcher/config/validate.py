@@ -1,11 +1,11 @@
 """Validation of a composed pipeline config, before any process starts (no torch).
 
-Validation is the schema's types and rules (``launcher.config.rules``: ranges, path kinds,
+Validation is the schema's types and rules (``launcher.schema_rules``: ranges, path kinds,
 syntaxes; Enums refuse at compose), the cross-key rules below (parallel layout, stage wiring),
 and the libraries' own torch-free checkers: the recipe's (``quant.recipes.validate_recipe`` and
 ``quant.recipe_yaml``), the gate's (``mmlu.gate.check_gate_config``), the batch size's, and the
 readers of what the config names (``mmlu.data.check_contents``, ``quant.calibration.check_contents``,
-``config.hf_card.config_json_problems``).  Every problem is collected, then raised together as
+``hf_config.config_json_problems``).  Every problem is collected, then raised together as
 one ConfigError; each line names the key, the value and what would be valid.
 ``check_paths=False`` (CI's example check, dry runs on a login node) skips checks that need
 checkpoints and datasets on this machine.
@@ -17,11 +17,12 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from launcher.config import rules, schema
-from launcher.config.compose import ConfigError, recipe_names
-from launcher.config.hf_card import (
-    HYBRID_ARCHITECTURES, PATTERN_SYMBOLS, card_from_hf_config, hybrid_layers, nemotron_h_unsupported,
-    read_hf_config)
+from launcher import schema
+from launcher import schema_rules as rules
+from launcher.config.compose import ConfigError
+from launcher.config.hf_card import HYBRID_ARCHITECTURES, card_from_hf_config
+from launcher.hf_config import PATTERN_SYMBOLS, hybrid_layers, nemotron_h_unsupported, read_hf_config_if_present
+from launcher.paths import recipe_names
 from launcher.topology import ParallelDims, minimal_world_size
 
 SUPPORTED_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM", "NemotronHForCausalLM")
@@ -108,7 +109,7 @@ def _check_model(cfg: DictConfig, err: _Errors, check_paths: bool) -> None:
         err.add("model.hybrid_pattern", None, f"{card.architecture} needs its layer pattern (config.json "
                 "hybrid_override_pattern, e.g. 'MEM*E'); set it, or use model=from_checkpoint")
     try:
-        hf = read_hf_config(card.path)
+        hf = read_hf_config_if_present(card.path)
         derived = None if hf is None else card_from_hf_config(hf)
     except ValueError as e:
         err.add("model.path", card.path, str(e))

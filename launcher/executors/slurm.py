@@ -42,7 +42,7 @@ from launcher.executors.slurm_state import (
 )
 
 if TYPE_CHECKING:   # a DictConfig merged onto it (compose, the worker) or the dataclass
-    from launcher.config.schema import SlurmExecutorConfig
+    from launcher.schema import SlurmExecutorConfig
 
 INSTALL_HINT = ("install the Slurm client tools (Debian/Ubuntu: `apt-get install slurm-client`, or "
                 "`module load slurm` on your cluster) or run with executor=local")

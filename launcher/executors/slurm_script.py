@@ -34,11 +34,11 @@ import shlex
 from typing import TYPE_CHECKING, Mapping, Optional, Sequence
 
 from launcher.executors.base import StagePlan
-from launcher.executors.slurm_env import DERIVED_PORT_BASE, DERIVED_PORT_SPAN
+from launcher.slurm_env import DERIVED_PORT_BASE, DERIVED_PORT_SPAN
 from launcher.contract import split_secrets  # one rule for what is a secret: config.yaml masks the same names
 
 if TYPE_CHECKING:   # a DictConfig merged onto it (compose, the worker) or the dataclass
-    from launcher.config.schema import SlurmExecutorConfig
+    from launcher.schema import SlurmExecutorConfig
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _TIME = re.compile(r"^((\d+-)?\d+(:\d{1,2}){0,2}|UNLIMITED|INFINITE)$", re.IGNORECASE)

@@ -130,7 +130,7 @@ def format_of_recipe(name: str) -> str:
         return name
     from omegaconf import OmegaConf
 
-    from launcher.config.compose import RECIPES_DIR, recipe_names
+    from launcher.paths import RECIPES_DIR, recipe_names
 
     if name not in recipe_names():
         raise ValueError(f"--recipe {name!r} is neither a recipe ({', '.join(recipe_names())}) nor a format "

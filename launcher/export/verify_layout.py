@@ -364,7 +364,7 @@ def model_dims(config: dict) -> tuple[Optional[int], int]:
             experts = int(text[key])
             break
     if text.get("layers_block_type") or text.get("hybrid_override_pattern"):
-        from launcher.config.hf_card import nemotron_h_pattern
+        from launcher.hf_config import nemotron_h_pattern
 
         pattern = nemotron_h_pattern(text)
         layers = len(pattern)

@@ -42,7 +42,7 @@ def rank_env() -> dict[str, int]:
     node = pick("NODE_RANK", "GROUP_RANK", "SLURM_NODEID")
     local_world = pick("LOCAL_WORLD_SIZE")
     if local_world is None and node is not None:   # srun: this node's count (distributions may be uneven)
-        from launcher.executors.slurm_env import tasks_on_node
+        from launcher.slurm_env import tasks_on_node
 
         local_world = tasks_on_node(os.environ.get("SLURM_STEP_TASKS_PER_NODE", ""), node)
     if local_world is None:

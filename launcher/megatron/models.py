@@ -9,11 +9,10 @@ ModelOpt's import/export/quantize and dist-checkpointing operate on.
 """
 from __future__ import annotations
 
-import json
-import os
 from typing import TYPE_CHECKING, Any
 
 from launcher.contract import Dtype, values
+from launcher.hf_config import read_hf_config
 
 if TYPE_CHECKING:
     import torch
@@ -25,14 +24,6 @@ HYBRID_ARCHITECTURES = ("NemotronHForCausalLM",)
 SUPPORTED_ARCHITECTURES = GPT_ARCHITECTURES + HYBRID_ARCHITECTURES
 DTYPES = values(Dtype)   # the schema's dtype choices (launcher.contract.Dtype)
 DISPATCHERS = ("alltoall", "allgather")
-
-
-def read_hf_config(hf_path: str) -> dict[str, Any]:
-    path = os.path.join(hf_path, "config.json")
-    if not os.path.isfile(path):
-        raise ValueError(f"model.path={hf_path!r} has no config.json (expected a local HF checkpoint)")
-    with open(path) as f:
-        return json.load(f)
 
 
 def architecture_of(hf_config: dict[str, Any]) -> str:
@@ -213,11 +204,11 @@ def _nemotron_h_config_kwargs(hf: dict[str, Any]) -> dict[str, Any]:
     """TransformerConfig keyword arguments for Nemotron-H (architecture part only).
 
     Every option that Megatron's hybrid model computes differently from transformers'
-    ``NemotronHForCausalLM`` is refused (``hf_card.nemotron_h_unsupported``), naming the key.
+    ``NemotronHForCausalLM`` is refused (``hf_config.nemotron_h_unsupported``), naming the key.
     """
     import torch.nn.functional as F
 
-    from launcher.config.hf_card import nemotron_h_pattern, nemotron_h_unsupported
+    from launcher.hf_config import nemotron_h_pattern, nemotron_h_unsupported
 
     problems = nemotron_h_unsupported(hf)
     if problems:
@@ -272,7 +263,7 @@ def _build_nemotron_h(hf: dict[str, Any], dims: "ParallelDims", device: str, dty
     from megatron.core.models.hybrid.hybrid_model import HybridModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from launcher.config.hf_card import nemotron_h_pattern
+    from launcher.hf_config import nemotron_h_pattern
     from launcher.megatron.hybrid_spec import nemotron_h_stack_spec
 
     kw = {**_runtime_kwargs(device, dtype, dims, dispatcher), **_nemotron_h_config_kwargs(hf)}

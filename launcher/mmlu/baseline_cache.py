@@ -40,7 +40,7 @@ _KEY_FIELDS = ("checkpoint_sha256", "prompts_sha256", "tokens_sha256", "n_questi
 
 
 def default_dir() -> str:
-    from launcher.config.compose import cache_dir
+    from launcher.paths import cache_dir
 
     return os.path.join(cache_dir(), "mmlu_baseline")
 

@@ -66,7 +66,7 @@ def _stderr(msg: str) -> None:
 
 def model_root(cache_root: str | os.PathLike | None = None) -> Path:
     if cache_root is None:
-        from launcher.config.compose import cache_dir
+        from launcher.paths import cache_dir
         cache_root = cache_dir()
     return Path(cache_root).resolve() / "models" / MODEL_NAME
 

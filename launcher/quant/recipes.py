@@ -16,7 +16,7 @@ from launcher.contract import UserError
 from launcher.formats import CARRIED as FORMATS, format_problem   # the one format table
 
 if TYPE_CHECKING:   # the dataclass, or a DictConfig merged onto it (the composed config's recipe)
-    from launcher.config.schema import RecipeConfig
+    from launcher.schema import RecipeConfig
 
 
 def validate_recipe(recipe: RecipeConfig) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from typing import Optional
 
-from launcher.config.schema import gate_dtype
+from launcher.schema import gate_dtype
 from launcher.contract import ExitCode, StageFailed, write_json_atomic
 from launcher.mmlu import gate as gate_mod
 from launcher.mmlu.batching import BatchLimits, padding_efficiency, resolve_limits
@@ -37,7 +37,7 @@ def batch_limits(scfg, device: str, hf_path: str) -> BatchLimits:
     if scfg.batch_size == AUTO and device == "cuda":
         import torch
 
-        from launcher.megatron.models import read_hf_config
+        from launcher.hf_config import read_hf_config
 
         hf = read_hf_config(hf_path)
         topk = int(hf.get("num_experts_per_tok") or 0)
@@ -177,7 +177,7 @@ def run(ctx: StageContext) -> None:
     gate_mod.check_gate_config(scfg.lower_bound, scfg.max_drop, scfg.baseline, scfg.baseline_accuracy)
     timings: dict[str, float] = {}
     t0 = time.time()
-    from launcher.config.compose import cache_dir
+    from launcher.paths import cache_dir
 
     tokenizer = load_tokenizer(cfg.model.path, bool(cfg.model.trust_remote_code))
     prepared = prepare(scfg, tokenizer, batch_limits(scfg, ctx.device, cfg.model.path), cache_dir())
@@ -192,7 +192,7 @@ def run(ctx: StageContext) -> None:
             f"token cache {prepared.token_cache.get('cache')}")
 
     t = time.time()
-    dtype = gate_dtype(cfg)   # the one rule: the quantize stage's dtype (launcher.config.schema)
+    dtype = gate_dtype(cfg)   # the one rule: the quantize stage's dtype (launcher.schema)
     cached = _baseline_lookup(ctx, prepared, dtype) if scfg.baseline in gate_mod.PER_QUESTION_BASELINES else None
     model = build_model(cfg.model.path, ctx.dims, ctx.device, dtype, scfg.moe_dispatcher,
                         bool(cfg.model.trust_remote_code), eval_kernels=ctx.device == "cuda")

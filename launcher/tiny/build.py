@@ -80,7 +80,7 @@ def _recipe_of(name: str) -> Recipe:
 def default_dir(cache_root: str | os.PathLike | None = None, name: str = MODEL_NAME) -> Path:
     _recipe_of(name)
     if cache_root is None:
-        from launcher.config.compose import cache_dir
+        from launcher.paths import cache_dir
         cache_root = cache_dir()
     return Path(cache_root).resolve() / "tiny" / name
 
@@ -116,7 +116,7 @@ def ensure_tiny_model(cache_root: str | os.PathLike | None = None, *, name: str 
     """Return the tiny model's build directory, building it first unless a current build exists.
 
     `name` is one of TINY_MODELS (its recipe is the default); `cache_root` defaults to
-    launcher.config.compose.cache_dir(); `out_dir` overrides the whole path (then `cache_root`
+    launcher.paths.cache_dir(); `out_dir` overrides the whole path (then `cache_root`
     must be None).
     """
     if out_dir is not None and cache_root is not None:

@@ -20,7 +20,7 @@ import urllib.error
 import urllib.request
 from typing import Any, Callable, Optional, Sequence
 
-from launcher.config.schema import VLLM_SCORING as SCORING_METHODS
+from launcher.schema import VLLM_SCORING as SCORING_METHODS
 
 CHUNK = 64      # prompts per request (progress, bounded response size)
 

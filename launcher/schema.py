@@ -2,7 +2,7 @@
 
 Values live in YAML (examples/, launcher/conf/, recipes/); these dataclasses give every key a
 type and make unknown keys errors (OmegaConf struct mode).  Registered with Hydra's ConfigStore
-in ``launcher.config.compose``.  Every key also says what is valid (``launcher.config.rules``):
+in ``launcher.config.compose``.  Every key also says what is valid (``launcher.schema_rules``):
 numbers a range, paths a kind, strings a syntax or ``text``; choice keys are Enums; a key whose
 rule belongs to a library's checker names it (``owned``), and validation calls that checker.
 """
@@ -14,10 +14,10 @@ from typing import Any, Optional, Union
 from omegaconf import MISSING
 
 from launcher.contract import STAGE_ORDER  # noqa: F401  (the stage names are the contract's)
-from launcher.config.rules import owned, path, pattern, ranged, text
 from launcher.contract import (
     BaselineMode, Device, Dispatcher, Dtype, OnUnsupported, ShardMode, VllmMode, VllmScoring, values)
 from launcher.formats import FormatName
+from launcher.schema_rules import owned, path, pattern, ranged, text
 
 _NAME = r"[A-Za-z0-9][A-Za-z0-9._-]*"
 _NAME_HINT = "use letters, digits, '.', '_' and '-' (it names the run directory)"
@@ -47,7 +47,7 @@ class ModelCard:
     num_experts: int = ranged(0, lo=0, note="0: dense")
     moe_topk: int = ranged(0, lo=0, note="1..num_experts for an MoE model")
     # e.g. Nemotron-H "MEMEM*E..." (M mamba, E MoE, * attn, - MLP)
-    hybrid_pattern: Optional[str] = owned("launcher.config.hf_card (PATTERN_SYMBOLS)", None)
+    hybrid_pattern: Optional[str] = owned("launcher.hf_config (PATTERN_SYMBOLS)", None)
     vocab_size: Optional[int] = ranged(None, lo=1)
     trust_remote_code: bool = False
 
