@@ -17,8 +17,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from launcher import schema
-from launcher import schema_rules as rules
+from launcher import schema, schema_rules as rules
 from launcher.config.compose import ConfigError
 from launcher.config.hf_card import HYBRID_ARCHITECTURES, card_from_hf_config
 from launcher.hf_config import PATTERN_SYMBOLS, hybrid_layers, nemotron_h_unsupported, read_hf_config_if_present
