@@ -12,9 +12,15 @@ REPO_ROOT = os.path.dirname(PACKAGE_DIR)
 RECIPES_DIR = os.environ.get("PTQ_RECIPES_DIR", os.path.join(REPO_ROOT, "recipes"))
 
 
+def yaml_options(directory: str) -> dict[str, str]:
+    """{name: path} of every directory/<name>.yaml, sorted by path (a Hydra group's options)."""
+    return {os.path.splitext(os.path.basename(p))[0]: p
+            for p in sorted(glob.glob(os.path.join(directory, "*.yaml")))}
+
+
 def recipe_names() -> list[str]:
     """The recipes there are: the names of RECIPES_DIR/<name>.yaml, sorted."""
-    return sorted(os.path.splitext(os.path.basename(p))[0] for p in glob.glob(os.path.join(RECIPES_DIR, "*.yaml")))
+    return sorted(yaml_options(RECIPES_DIR))
 
 
 def cache_dir() -> str:

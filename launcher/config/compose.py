@@ -7,7 +7,6 @@ typed by their dataclass, so a wrong key in any of them is an error.
 """
 from __future__ import annotations
 
-import glob
 import os
 import re
 from typing import Sequence
@@ -19,7 +18,7 @@ from launcher import schema
 from launcher.contract import UserError
 from launcher.config.hf_card import card_from_hf_config
 from launcher.hf_config import read_hf_config_if_present
-from launcher.paths import PACKAGE_DIR, RECIPES_DIR, REPO_ROOT, cache_dir, recipe_names
+from launcher.paths import PACKAGE_DIR, RECIPES_DIR, REPO_ROOT, cache_dir, recipe_names, yaml_options
 
 CONF_DIR = os.path.join(PACKAGE_DIR, "conf")
 
@@ -41,11 +40,6 @@ def _register_resolvers() -> None:
         OmegaConf.register_new_resolver("repo_root", lambda: REPO_ROOT)
 
 
-def _group_options(directory: str) -> dict[str, str]:
-    return {os.path.splitext(os.path.basename(p))[0]: p
-            for p in sorted(glob.glob(os.path.join(directory, "*.yaml")))}
-
-
 def register_configs() -> None:
     """Store the schema and every group option in Hydra's ConfigStore (idempotent)."""
     from hydra.core.config_store import ConfigStore
@@ -54,10 +48,10 @@ def register_configs() -> None:
     cs = ConfigStore.instance()
     cs.store(name="ptq_schema", node=schema.PipelineConfig)
     for group, directory in (("model", os.path.join(CONF_DIR, "model")), ("recipe", RECIPES_DIR)):
-        for name, path in _group_options(directory).items():
+        for name, path in yaml_options(directory).items():
             node = OmegaConf.merge(OmegaConf.structured(GROUP_SCHEMAS[group]), _load_yaml(path, group, name))
             cs.store(group=group, name=name, node=node)
-    for name, path in _group_options(os.path.join(CONF_DIR, "executor")).items():
+    for name, path in yaml_options(os.path.join(CONF_DIR, "executor")).items():
         raw = _load_yaml(path, "executor", name)
         kind = raw.get("kind", name)
         if kind not in EXECUTOR_SCHEMAS:

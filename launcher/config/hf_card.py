@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from launcher.hf_config import config_json_problems, nemotron_h_pattern
+from launcher.hf_config import HYBRID_ARCHITECTURES, config_json_problems, nemotron_h_pattern
 
 # card key -> config.json keys tried in order (architectures name these differently)
 _CARD_KEYS: dict[str, tuple[str, ...]] = {
@@ -19,7 +19,6 @@ _CARD_KEYS: dict[str, tuple[str, ...]] = {
     "vocab_size": ("vocab_size",),
 }
 REQUIRED = ("num_layers", "hidden_size", "num_attention_heads")
-HYBRID_ARCHITECTURES = ("NemotronHForCausalLM",)
 
 
 def card_from_hf_config(hf: dict[str, Any]) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from launcher.contract import Dtype, values
-from launcher.hf_config import read_hf_config
+from launcher.hf_config import HYBRID_ARCHITECTURES, read_hf_config
 
 if TYPE_CHECKING:
     import torch
@@ -20,7 +20,6 @@ if TYPE_CHECKING:
     from launcher.topology import ParallelDims
 
 GPT_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM")
-HYBRID_ARCHITECTURES = ("NemotronHForCausalLM",)
 SUPPORTED_ARCHITECTURES = GPT_ARCHITECTURES + HYBRID_ARCHITECTURES
 DTYPES = values(Dtype)   # the schema's dtype choices (launcher.contract.Dtype)
 DISPATCHERS = ("alltoall", "allgather")
