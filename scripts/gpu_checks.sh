@@ -27,6 +27,14 @@
 #                questions, MoE 4 layers 306 questions; product default, budget sweep, ablations,
 #                NVFP4 + FP8 gates, megatron_mmlu at batch 1/8/32/64; about 6 minutes)
 #   bench-quick  the same without megatron_mmlu at batch 1 (its slowest, ~95 s; about 4 minutes)
+#   vllm-install vLLM 0.26.0 from the wheelhouse parts (scripts/vllm_wheelhouse.py) gathered in
+#                $VLLM_PARTS (default /tmp/vllm-parts; carried .vllm-wheelhouse/part-* are added there
+#                first) into /tmp/vllm-site, then `import vllm` through scripts/vllm_site_python
+#   vllm         the vLLM smoke on the H200 (issue 23), server then offline mode, for the tiny Qwen3-MoE
+#                NVFP4 and FP8 and the trained tiny NemotronH NVFP4: each through `launch` on cuda with
+#                the smoke enabled (stages.vllm_smoke.python=scripts/vllm_site_python), the offline
+#                mode by `--resume` of the same run; REPORT_DIR/vllm-CASE-MODE.json keeps each verdict
+#                ($VLLM_CASES picks cases: qwen-nvfp4 qwen-fp8 nemotron-nvfp4)
 #   nemotron     Nemotron-H on cuda with mamba_ssm's triton kernels (its wheel carried in .whl):
 #                pytest tests/test_gpu_nemotron_h.py (logits vs transformers), then the tiny
 #                NemotronH example end to end at world size 1 (needs the tiny build under
@@ -37,7 +45,7 @@
 # CUDA extensions (FP8 fake quant) build into /tmp/torch_ext; REPORT_DIR/torch_ext.tgz keeps the
 # build, and a .gpu-cache/torch_ext.tgz carried next time is unpacked first (no rebuild).
 set -uo pipefail
-out=${1:?usage: gpu_checks.sh REPORT_DIR [all|all:1|all:2] [tests] [pipeline] [pipeline-fp8] [cpu-on-gpu] [gate] [bench-smoke] [bench] [bench-quick] [probe] [cost] [cost-large] [nemotron]}
+out=${1:?usage: gpu_checks.sh REPORT_DIR [all|all:1|all:2] [tests] [pipeline] [pipeline-fp8] [cpu-on-gpu] [gate] [bench-smoke] [bench] [bench-quick] [probe] [cost] [cost-large] [nemotron] [vllm-install] [vllm]}
 shift
 parts=${*:-tests pipeline}
 half1="tests pipeline pipeline-fp8 probe"
@@ -49,6 +57,8 @@ cd "$root"
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$root
+elif [ -d /tmp/site ]; then   # installed by an earlier call on this host (/tmp persists while it is warm)
   export PYTHONPATH=/tmp/site:$root
 else
   export PYTHONPATH=$root
@@ -110,6 +120,36 @@ for part in $parts; do
     cost-large)
       timeout 400 python3 benchmarks/pipeline_cost.py --out "$out/pipeline_cost_large.json" --parts stages \
         --device cuda --widths 3072 --calib-sizes 16,512 2>&1 | tee "$out/cost_large.log" ;;
+    vllm-install)
+      mkdir -p "${VLLM_PARTS:=/tmp/vllm-parts}"
+      for f in .vllm-wheelhouse/part-* .vllm-wheelhouse/manifest.json; do [ -f "$f" ] && cp "$f" "$VLLM_PARTS/"; done
+      ls -la "$VLLM_PARTS" | tee "$out/vllm-install.log"
+      timeout 300 python3 scripts/vllm_wheelhouse.py install --parts "$VLLM_PARTS" --target /tmp/vllm-site 2>&1 \
+        | tee -a "$out/vllm-install.log" &&
+      timeout 120 scripts/vllm_site_python -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)" \
+        2>&1 | tee -a "$out/vllm-install.log" ;;
+    vllm)
+      rc=0
+      declare -A examples=([qwen-nvfp4]="examples/tiny/Qwen3-MoE-tiny" [qwen-fp8]="examples/tiny/Qwen3-MoE-tiny recipe=fp8_default"
+                           [nemotron-nvfp4]="examples/tiny/NemotronH-MoE-tiny")
+      for name in ${VLLM_CASES:-qwen-nvfp4 qwen-fp8 nemotron-nvfp4}; do
+        set -- ${examples[$name]}; example=$1; shift
+        common="executor.device=cuda stages.quantize.parallel={ep:1,world_size:1} stages.mmlu.parallel={ep:1,world_size:1}
+                stages.export.parallel={pp:1,world_size:1} stages.vllm_smoke.enabled=true
+                stages.vllm_smoke.python=$root/scripts/vllm_site_python stages.vllm_smoke.on_unsupported=fail"
+        timeout 420 python3 -m launcher.cli $example/megatron_lm_ptq.yaml $common "$@" stages.vllm_smoke.mode=server \
+          --run-id $name runs_root=/tmp/gpu-runs-vllm 2>&1 | tee "$out/vllm-$name-server.log" || rc=1
+        run=$(ls -d /tmp/gpu-runs-vllm/*/$name 2>/dev/null | head -1)
+        [ -n "$run" ] || { rc=1; continue; }
+        cp "$run/vllm_smoke/responses.json" "$out/vllm-$name-server.json" 2>/dev/null
+        cp "$run/vllm_smoke/skip.json" "$out/vllm-$name-skip.json" 2>/dev/null
+        cp "$run/vllm_smoke/log.txt" "$out/vllm-$name-server-engine.log" 2>/dev/null
+        timeout 300 python3 -m launcher.cli $example/megatron_lm_ptq.yaml $common "$@" stages.vllm_smoke.mode=offline \
+          --resume "$run" runs_root=/tmp/gpu-runs-vllm 2>&1 | tee "$out/vllm-$name-offline.log" || rc=1
+        cp "$run/vllm_smoke/responses.json" "$out/vllm-$name-offline.json" 2>/dev/null
+        cp "$run/vllm_smoke/log.txt" "$out/vllm-$name-offline-engine.log" 2>/dev/null
+      done
+      (exit $rc) ;;
     nemotron)
       GPU_REPORT_DIR=$out timeout 240 python3 -m pytest -m gpu -p no:cacheprovider -s -q \
         tests/test_gpu_nemotron_h.py 2>&1 | tee "$out/nemotron_tests.log"
@@ -123,7 +163,7 @@ for part in $parts; do
       [ -n "$run" ] && tar -C "$run" -czf "$out/nemotron_run.tgz" --exclude='checkpoint*' --exclude='hf' \
         --exclude='*.safetensors' . ;
       [ "$rc_tests" = 0 ] && (exit $rc) ;;
-    *) echo "unknown part '$part' (valid: all all:1 all:2 tests pipeline pipeline-fp8 cpu-on-gpu gate bench-smoke bench bench-quick probe cost cost-large nemotron)"; exit 2 ;;
+    *) echo "unknown part '$part' (valid: all all:1 all:2 tests pipeline pipeline-fp8 cpu-on-gpu gate bench-smoke bench bench-quick probe cost cost-large nemotron vllm-install vllm)"; exit 2 ;;
   esac
   rc=$?   # pipefail: the status of the part's command, not of tee
   echo "== $part: exit $rc in $(( $(date +%s) - t0 )) s" | tee -a "$out/parts.txt"

@@ -116,6 +116,27 @@ def run_figures(run_dir: str) -> dict:
     return out
 
 
+def vllm_table(out_dir: str) -> list[dict]:
+    """One row per REPORT_DIR/vllm-CASE-MODE.json (gpu_checks.sh's `vllm` part): the smoke's verdict,
+    agreement, served vs gate accuracy, load and score times, and the kernels vLLM chose."""
+    rows = []
+    for path in sorted(glob.glob(os.path.join(out_dir, "vllm-*-*.json"))):
+        case, mode = os.path.basename(path)[len("vllm-"):-len(".json")].rsplit("-", 1)
+        rec = _read_json(path) or {}
+        if mode == "skip":
+            rows.append({"case": case, "mode": "skip", "passed": False, "reason": rec.get("reason")})
+            continue
+        ch, t, k = rec.get("choices") or {}, rec.get("timings") or {}, rec.get("kernels") or {}
+        rows.append({"case": case, "mode": mode, "passed": rec.get("passed"), "failure": rec.get("failure"),
+                     "agreement": rec.get("agreement"), "min_agreement": (rec.get("criteria") or {}).get("min_agreement"),
+                     "n_agree": ch.get("n_agree"), "n_counted": ch.get("n_counted"), "n": ch.get("n"),
+                     "accuracy": rec.get("accuracy"), "gate_accuracy": ch.get("gate_accuracy"),
+                     "generation": {k2: (rec.get("generation") or {}).get(k2) for k2 in ("n_passed", "n_scored")},
+                     "startup_s": t.get("startup_s"), "score_s": t.get("score_s"), "total_s": t.get("total_s"),
+                     "kernel_family": k.get("family"), "kernels": k.get("choices")})
+    return rows
+
+
 def newest_run(root: str) -> str | None:
     runs = sorted(glob.glob(os.path.join(root, "*", "*", "metadata.json")), key=os.path.getmtime)
     return os.path.dirname(runs[-1]) if runs else None
@@ -145,7 +166,7 @@ def build_report(out_dir: str, run_roots: dict[str, str]) -> dict:
              if os.path.basename(p) != "report.json"}
     return {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "commit": _commit(),
             "versions": _versions(out_dir), "parts": parts, "all_pass": bool(parts) and all(p["pass"] for p in parts.values()),
-            "artifacts": extra}
+            "vllm": vllm_table(out_dir), "artifacts": extra}
 
 
 def main(argv: list[str]) -> int:
@@ -167,6 +188,10 @@ def main(argv: list[str]) -> int:
         if exp:
             bits.append(f"export ok={exp.get('ok')} flips={exp.get('flips')}/{exp.get('elements_compared')}")
         print(f"[report] {name}: " + ", ".join(bits))
+    for r in report["vllm"]:
+        print(f"[report] vllm {r['case']} {r['mode']}: passed={r['passed']} agreement={r.get('agreement')} "
+              f"accuracy={r.get('accuracy')} vs gate {r.get('gate_accuracy')} kernels={r.get('kernel_family')} "
+              f"{r.get('reason') or r.get('failure') or ''}")
     print(f"[report] commit {report['commit']}, all pass: {report['all_pass']}")
     return 0
 

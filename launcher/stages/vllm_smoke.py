@@ -36,7 +36,7 @@ from typing import Iterator, Optional
 
 from launcher.contract import StageFailed, write_json_atomic
 from launcher.stages.context import StageContext
-from launcher.vllm import agreement, capability, generation
+from launcher.vllm import agreement, capability, generation, kernels
 from launcher.vllm.backends import BACKENDS, Backend, Replies, Work
 from launcher.vllm.gate_questions import GateMismatch, GateSet, load_gate_set
 from launcher.vllm.probe import probe_platform, probe_quant, vllm_python
@@ -74,6 +74,7 @@ class SmokeRecord:
     generation: Optional[dict] = None       # source, totals, per-prompt rows, passed
     server: Optional[dict] = None
     vllm_error: Optional[str] = None
+    kernels: Optional[dict] = None          # vLLM's kernel choices, from its log (launcher.vllm.kernels)
     timings: dict = field(default_factory=dict)
 
     def judge(self, gate: Optional[GateSet], checks: Optional[Checks], replies: Replies) -> None:
@@ -267,10 +268,12 @@ def run(ctx: StageContext) -> None:
     except VllmError as e:
         record.failure, record.vllm_error, record.server = str(e), e.error_line, e.info or None
         record.failures = [record.failure]
+        record.kernels = kernels.read_log(backend.log_path)
         _write(ctx, record, t_start)
         _show_tail(backend.log_path)
         raise StageFailed(f"vllm_smoke: {e}") from e
-    record.server = replies.info
+    record.server, record.kernels = replies.info, kernels.read_log(backend.log_path)
+    ctx.log(f"vLLM's kernels ({record.kernels['family']}): {'; '.join(record.kernels['choices']) or 'none stated'}")
     record.timings.update({k: replies.info.get(k) for k in ("startup_s", "score_s", "generate_s")})
     record.judge(gate, checks, replies)
     _write(ctx, record, t_start)

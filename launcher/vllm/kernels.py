@@ -1,0 +1,59 @@
+"""Which kernels vLLM chose for an export, read from its own log (pure; no vLLM import).
+
+vLLM states each choice once, at load time, in lines such as
+
+    Using 'MARLIN' NvFp4 MoE backend out of potential backends: ['FLASHINFER_TRTLLM', ...].
+    Using MarlinNvFp4LinearKernel for NVFP4 GEMM
+    Selected CutlassFP8ScaledMMLinearKernel for ModelOptFp8LinearMethod
+    Using FLASH_ATTN attention backend out of potential backends: [...]
+
+``read_choices`` returns those statements (deduplicated, in log order, with the logger's prefix
+and the list of candidates removed) and ``family`` names the kernel family that served the
+quantized weights: ``marlin``, ``cutlass``, ``flashinfer``, ``triton``, ``emulation`` or
+``unquantized`` (no quantized-kernel statement found), so a report can say that an NVFP4 export
+on Hopper ran through Marlin's W4A16 path rather than a native FP4 kernel.
+"""
+from __future__ import annotations
+
+import re
+from typing import Iterable
+
+# "Using X for Y", "Using 'X' ... backend", "Selected X for Y"; the logger prefix is dropped
+_CHOICE = re.compile(r"\b((?:Using|Selected)\s+'?[\w.\-]+'?\s+(?:for\s+[\w .\-]+|[\w ]*?backend\b))")
+_CANDIDATES = re.compile(r"\s+out of potential backends.*$")
+# the families, in the order a statement is tested against them (the first match names it)
+_FAMILIES = (("emulation", re.compile(r"emulat", re.I)), ("marlin", re.compile(r"marlin", re.I)),
+             ("flashinfer", re.compile(r"flashinfer", re.I)), ("cutlass", re.compile(r"cutlass", re.I)),
+             ("triton", re.compile(r"triton", re.I)))
+_QUANTIZED = re.compile(r"NvFp4|NVFP4|FP8|Fp8|FP4|Fp4|MoE backend|ScaledMM", re.I)
+
+
+def read_choices(lines: Iterable[str]) -> list[str]:
+    """vLLM's kernel and backend statements in ``lines``, each once, in order."""
+    seen: dict[str, None] = {}
+    for line in lines:
+        m = _CHOICE.search(line)
+        if m:
+            seen.setdefault(_CANDIDATES.sub("", m.group(1)).strip().rstrip("."), None)
+    return list(seen)
+
+
+def family(choices: Iterable[str]) -> str:
+    """The kernel family of the quantized layers' statements (see the module docstring)."""
+    quantized = [c for c in choices if _QUANTIZED.search(c) and "attention" not in c.lower()]
+    if not quantized:
+        return "unquantized"
+    for name, rx in _FAMILIES:
+        if any(rx.search(c) for c in quantized):
+            return name
+    return "other"
+
+
+def read_log(path: str) -> dict:
+    """``{"choices": [...], "family": ...}`` of a vLLM log file; empty choices if it is absent."""
+    try:
+        with open(path, errors="replace") as f:
+            choices = read_choices(f)
+    except FileNotFoundError:
+        choices = []
+    return {"choices": choices, "family": family(choices)}

@@ -1,0 +1,39 @@
+"""launcher.vllm.kernels: vLLM's kernel statements, read from its log (lines in vLLM 0.26's formats:
+its format strings "Using '%s' NvFp4 MoE backend out of potential backends: %s.", "Using %s for
+NVFP4 GEMM" and "Selected %s for %s", behind the engine-core process prefix and logger header)."""
+from launcher.vllm import kernels
+
+NVFP4_LOG = """\
+(EngineCore_DP0 pid=4242) INFO 12-04 18:20:01 [gpu_model_runner.py:3050] Starting to load model /tmp/run/export/hf...
+(EngineCore_DP0 pid=4242) INFO 12-04 18:20:01 [cuda.py:351] Using FLASH_ATTN attention backend out of potential backends: ['FLASH_ATTN', 'FLASHINFER', 'TRITON_ATTN'].
+(EngineCore_DP0 pid=4242) INFO 12-04 18:20:02 [__init__.py:978] Using MarlinNvFp4LinearKernel for NVFP4 GEMM
+(EngineCore_DP0 pid=4242) INFO 12-04 18:20:02 [nvfp4.py:239] Using 'MARLIN' NvFp4 MoE backend out of potential backends: ['FLASHINFER_TRTLLM', 'FLASHINFER_CUTLASS', 'VLLM_CUTLASS', 'MARLIN', 'EMULATION'].
+(EngineCore_DP0 pid=4242) INFO 12-04 18:20:02 [__init__.py:978] Using MarlinNvFp4LinearKernel for NVFP4 GEMM
+(EngineCore_DP0 pid=4242) WARNING 12-04 18:20:03 [marlin_utils_fp4.py:210] Your GPU does not have native support for FP4 computation but FP4 quantization is being used. Weight-only FP4 compression will be used leveraging the Marlin kernel.
+"""
+
+
+def test_nvfp4_on_hopper_reads_marlin_in_order_once():
+    choices = kernels.read_choices(NVFP4_LOG.splitlines())
+    assert choices == ["Using FLASH_ATTN attention backend", "Using MarlinNvFp4LinearKernel for NVFP4 GEMM",
+                       "Using 'MARLIN' NvFp4 MoE backend"]
+    assert kernels.family(choices) == "marlin"
+
+
+def test_fp8_cutlass_and_emulation_and_unquantized():
+    fp8 = ["INFO 12-04 [__init__.py:605] Selected CutlassFP8ScaledMMLinearKernel for ModelOptFp8LinearMethod",
+           "INFO 12-04 [fp8.py:325] Using 'TRITON' Fp8 MoE backend out of potential backends: ['DEEPGEMM', 'TRITON']."]
+    assert kernels.read_choices(fp8) == ["Selected CutlassFP8ScaledMMLinearKernel for ModelOptFp8LinearMethod",
+                                         "Using 'TRITON' Fp8 MoE backend"]
+    assert kernels.family(kernels.read_choices(fp8)) == "cutlass"
+    emulated = ["INFO [__init__.py:978] Using EmulationNvFp4LinearKernel for NVFP4 GEMM"]
+    assert kernels.family(kernels.read_choices(emulated)) == "emulation"
+    bf16 = ["INFO [cuda.py:351] Using FLASH_ATTN attention backend out of potential backends: ['FLASH_ATTN']."]
+    assert kernels.family(kernels.read_choices(bf16)) == "unquantized"
+
+
+def test_read_log_of_a_missing_file_is_empty(tmp_path):
+    assert kernels.read_log(str(tmp_path / "absent.log")) == {"choices": [], "family": "unquantized"}
+    log = tmp_path / "vllm.log"
+    log.write_text(NVFP4_LOG)
+    assert kernels.read_log(str(log))["family"] == "marlin"
