@@ -108,22 +108,22 @@ def wheel_requires(wheel: Path, extras: set[str], env: dict) -> list:
 
 
 def pip_download(spec: str, dest: Path, python: str) -> Path:
-    before = set(dest.iterdir())
-    cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-           "--python-version", python, "--implementation", "cp", "-d", str(dest), spec]
-    for p in PLATFORMS:
-        cmd += ["--platform", p]
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    if r.returncode != 0:
-        raise RuntimeError(f"pip download {spec!r} failed:\n{r.stderr[-2000:]}")
-    new = set(dest.iterdir()) - before
-    if new:
-        return new.pop()
-    # already there: find it by name (pip does not download it again)
-    name = canonical(re.split(r"[=<>!~\[ ;]", spec, maxsplit=1)[0])
-    hits = [w for w in dest.glob("*.whl") if canonical(w.name.split("-")[0]) == name]
-    assert hits, f"pip reported success for {spec!r} but no wheel is in {dest}"
-    return hits[0]
+    """Download the newest wheel satisfying ``spec`` into ``dest`` (through a private temp dir, so
+    concurrent calls never see each other's files)."""
+    tmp = Path(tempfile.mkdtemp(dir=dest, prefix=".dl-"))
+    try:
+        cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+               "--python-version", python, "--implementation", "cp", "-d", str(tmp), spec]
+        for p in PLATFORMS:
+            cmd += ["--platform", p]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RuntimeError(f"pip download {spec!r} failed:\n{r.stderr[-2000:]}")
+        got = list(tmp.glob("*.whl"))
+        assert len(got) == 1, f"pip download {spec!r} gave {got}"
+        return Path(shutil.move(str(got[0]), dest / got[0].name))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def resolve(root_spec: str, dest: Path, python: str, have: set[str]) -> dict[str, Path]:
@@ -211,6 +211,7 @@ def build(args) -> None:
     wheel_dir.mkdir(parents=True, exist_ok=True)
     have = read_have(args.have) if args.have else set()
     wheels = resolve(f"vllm=={args.vllm}", wheel_dir, args.python, have)
+    assert len(set(wheels.values())) == len(wheels), "two packages resolved to one wheel file"
     lock = sorted(f"{w.name.split('-')[0]}=={w.name.split('-')[1]} --hash=sha256:{sha256(w)}" for w in wheels.values())
     (out / "lock.txt").write_text("\n".join(lock) + "\n")
     wheel_mb = sum(w.stat().st_size for w in wheels.values()) / 1e6
