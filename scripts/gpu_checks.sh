@@ -34,7 +34,8 @@
 #                NVFP4 and FP8 and the trained tiny NemotronH NVFP4: each through `launch` on cuda with
 #                the smoke enabled (stages.vllm_smoke.python=scripts/vllm_site_python), the offline
 #                mode by `--resume` of the same run; REPORT_DIR/vllm-CASE-MODE.json keeps each verdict
-#                ($VLLM_CASES picks cases: qwen-nvfp4 qwen-fp8 nemotron-nvfp4)
+#                ($VLLM_CASES picks cases: qwen-nvfp4 qwen-fp8 nemotron-nvfp4; $VLLM_OFFLINE_CASES those of
+#                them that also run offline, default all)
 #   nemotron     Nemotron-H on cuda with mamba_ssm's triton kernels (its wheel carried in .whl):
 #                pytest tests/test_gpu_nemotron_h.py (logits vs transformers), then the tiny
 #                NemotronH example end to end at world size 1 (needs the tiny build under
@@ -136,7 +137,8 @@ for part in $parts; do
         set -- ${examples[$name]}; example=$1; shift
         common="executor.device=cuda stages.quantize.parallel={ep:1,world_size:1} stages.mmlu.parallel={ep:1,world_size:1}
                 stages.export.parallel={pp:1,world_size:1} stages.vllm_smoke.enabled=true
-                stages.vllm_smoke.python=$root/scripts/vllm_site_python stages.vllm_smoke.on_unsupported=fail"
+                stages.vllm_smoke.python=$root/scripts/vllm_site_python stages.vllm_smoke.on_unsupported=fail
+                stages.vllm_smoke.startup_timeout_s=${VLLM_STARTUP_TIMEOUT_S:-240}"
         timeout 420 python3 -m launcher.cli $example/megatron_lm_ptq.yaml $common "$@" stages.vllm_smoke.mode=server \
           --run-id $name runs_root=/tmp/gpu-runs-vllm 2>&1 | tee "$out/vllm-$name-server.log" || rc=1
         run=$(ls -d /tmp/gpu-runs-vllm/*/$name 2>/dev/null | head -1)
@@ -144,6 +146,7 @@ for part in $parts; do
         cp "$run/vllm_smoke/responses.json" "$out/vllm-$name-server.json" 2>/dev/null
         cp "$run/vllm_smoke/skip.json" "$out/vllm-$name-skip.json" 2>/dev/null
         cp "$run/vllm_smoke/log.txt" "$out/vllm-$name-server-engine.log" 2>/dev/null
+        case " ${VLLM_OFFLINE_CASES-${VLLM_CASES:-qwen-nvfp4 qwen-fp8 nemotron-nvfp4}} " in *" $name "*) ;; *) continue ;; esac
         timeout 300 python3 -m launcher.cli $example/megatron_lm_ptq.yaml $common "$@" stages.vllm_smoke.mode=offline \
           --resume "$run" runs_root=/tmp/gpu-runs-vllm 2>&1 | tee "$out/vllm-$name-offline.log" || rc=1
         cp "$run/vllm_smoke/responses.json" "$out/vllm-$name-offline.json" 2>/dev/null

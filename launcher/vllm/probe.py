@@ -112,7 +112,10 @@ def vllm_env(base: Optional[dict] = None, device: str = "cpu") -> dict:
         # grabs a large KV cache, or binds to a non-local address.
         env.setdefault("VLLM_TARGET_DEVICE", "cpu")
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        env.setdefault("VLLM_HOST_IP", "127.0.0.1")
+    # the smoke runs vLLM on one node (its TP workers on this rank's node): its process group binds to
+    # loopback.  Otherwise vLLM picks the host's address, and on the lent H200 (no network) its NCCL
+    # rendezvous on that address hung until the startup timeout (2026-12-04, vLLM 0.26.0).
+    env.setdefault("VLLM_HOST_IP", "127.0.0.1")
     env.setdefault("PYTHONUNBUFFERED", "1")
     # The worker's venv must not leak into the vLLM venv.
     env.pop("PYTHONPATH", None)
