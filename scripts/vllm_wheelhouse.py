@@ -15,6 +15,7 @@ What is built (``build``):
     node's image already has (``--have``: one name per line, ``#`` comments) and minus
     ``EXCLUDED``: optional kernel and media packages that vLLM imports lazily and that serving
     the project's exports (Llama, Qwen3-MoE, Nemotron-H; bf16, FP8, NVFP4) does not load.
+    ``OVERRIDES`` replaces a requirement's specifier where a pin serves only what is left out.
   * ``lock.txt``: every wheel as ``name==version --hash=sha256:...`` (pip's hash-checking form).
   * The wheels are installed (``pip install --no-deps --target``) into a staging dir, files that
     the target does not use are dropped (``DROPPED``: FlashAttention-2's 305 MB library, unused on
@@ -51,7 +52,6 @@ from pathlib import Path
 EXCLUDED = {
     "flashinfer-python": "FlashInfer kernels: optional backend (sampling, Blackwell FP4 GEMM/MoE)",
     "flashinfer-cubin": "FlashInfer's prebuilt kernels",
-    "apache-tvm-ffi": "FlashInfer's FFI",
     "tilelang": "TileLang kernels (optional MLA/sparse attention)",
     "torchcodec": "video/audio decoding (multimodal inputs)",
     "pynvvideocodec": "NVIDIA video decoding (multimodal inputs)",
@@ -62,6 +62,12 @@ EXCLUDED = {
     "humming-kernels": "optional quantized GEMM kernels",
     "fastsafetensors": "GPU-direct safetensors loading (optional loader)",
     "nvidia-cudnn-cu13": "on the image with torch",
+}
+# a package whose specifier is replaced: vLLM 0.26.0 pins apache-tvm-ffi==0.1.10 for FlashInfer (not
+# carried), but xgrammar 0.2.9, which vLLM imports to serve, needs >=0.1.11 (measured on the H200:
+# with 0.1.10, xgrammar's import fails; with 0.1.15.post2 the OpenAI server imports and serves)
+OVERRIDES = {
+    "apache-tvm-ffi": ">=0.1.11",
 }
 # files of the installed vLLM the target does not use
 DROPPED = [
@@ -155,7 +161,7 @@ def resolve(root_spec: str, dest: Path, python: str, have: set[str]) -> dict[str
                             queue += wheel_requires(wheels[name], new_extras, env)
                     continue
                 extras[name] = set(req.extras)
-                todo[name] = pool.submit(pip_download, f"{req.name}{req.specifier}", dest, python)
+                todo[name] = pool.submit(pip_download, f"{req.name}{OVERRIDES.get(name, req.specifier)}", dest, python)
             for name, fut in todo.items():
                 wheels[name] = fut.result()
                 print(f"[wheelhouse] {wheels[name].name}", flush=True)
@@ -232,7 +238,7 @@ def build(args) -> None:
         manifest = {"vllm": args.vllm, "python": args.python, "compression": args.compression,
                     "archive_sha256": sha256(archive),
                     "archive_bytes": archive.stat().st_size, "parts": parts, "dropped": dropped,
-                    "wheels": lock, "excluded": EXCLUDED}
+                    "wheels": lock, "excluded": EXCLUDED, "overrides": OVERRIDES}
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
     print(f"[wheelhouse] {len(parts)} parts of <= {args.part_mib} MiB, archive "
           f"{manifest['archive_bytes'] / 1e6:.0f} MB, in {time.time() - t0:.0f} s -> {out}")

@@ -18,12 +18,12 @@ spec.loader.exec_module(wh)
 
 # name -> Requires-Dist lines of its synthetic wheel
 INDEX = {
-    "vllm": ["fastapi[standard]<1", "torch==2.11.0", "flashinfer-python==0.6.14",
+    "vllm": ["fastapi[standard]<1", "torch==2.11.0", "flashinfer-python==0.6.14", "apache-tvm-ffi==0.1.10",
              "llguidance<2; platform_machine == 'x86_64'", "winonly; sys_platform == 'win32'",
              "oldpy; python_version < '3.10'", "zentorch; extra == 'zen'"],
     "fastapi": ["starlette>=1", "uvicorn; extra == 'standard'", "pydantic>=2"],
     "starlette": ["anyio"], "uvicorn": [], "pydantic": ["pydantic-core==2.50.5"], "pydantic-core": [],
-    "llguidance": [],
+    "llguidance": [], "apache-tvm-ffi": [],
 }
 
 
@@ -45,9 +45,11 @@ def test_resolve_follows_extras_and_markers_and_leaves_out_the_image_and_exclude
 
     monkeypatch.setattr(wh, "pip_download", fake_download)
     wheels = wh.resolve("vllm==0.26.0", tmp_path, "3.12", have={"torch", "anyio"})
-    assert sorted(wheels) == ["fastapi", "llguidance", "pydantic", "pydantic-core", "starlette", "uvicorn", "vllm"]
+    assert sorted(wheels) == ["apache-tvm-ffi", "fastapi", "llguidance", "pydantic", "pydantic-core", "starlette",
+                              "uvicorn", "vllm"]
+    # apache-tvm-ffi's pin is replaced by OVERRIDES (xgrammar needs a newer one than FlashInfer's)
     assert sorted(asked) == sorted(["vllm==0.26.0", "fastapi<1", "llguidance<2", "starlette>=1", "uvicorn",
-                                    "pydantic>=2", "pydantic-core==2.50.5"])
+                                    "pydantic>=2", "pydantic-core==2.50.5", "apache-tvm-ffi>=0.1.11"])
     out = capsys.readouterr().out
     assert "not carried: torch (on the image)" in out
     assert f"not carried: flashinfer-python ({wh.EXCLUDED['flashinfer-python']})" in out
