@@ -4,9 +4,10 @@
 #   bash scripts/gpu_checks.sh REPORT_DIR [PART ...]
 #
 # Parts (default: tests pipeline), run in the order given:
-#   all          every GPU check the project has, in two halves that each fit one 10-minute call:
+#   all          every GPU check the project has, in three parts that each fit one 10-minute call:
 #   all:1        tests pipeline pipeline-fp8 probe
 #   all:2        nemotron cpu-on-gpu bench-quick
+#   all:3        nano
 #                Every call writes REPORT_DIR/report.json (scripts/gpu_report.py: commit, versions,
 #                per part exit/seconds/figures); commit it under benchmarks/results/.
 #   tests        pytest -m gpu: CPU NVFP4 path vs ModelOpt's GPU kernel (bit-exactness report),
@@ -35,7 +36,12 @@
 #                the smoke enabled (stages.vllm_smoke.python=scripts/vllm_site_python), the offline
 #                mode by `--resume` of the same run; REPORT_DIR/vllm-CASE-MODE.json keeps each verdict
 #                ($VLLM_CASES picks cases: qwen-nvfp4 qwen-fp8 nemotron-nvfp4; $VLLM_OFFLINE_CASES those of
-#                them that also run offline, default all)
+#                them that also run offline, default all; VLLM_PIPELINE_ONLY=1 runs only quantize, gate
+#                and export of each case, and a later call's `vllm` part resumes those runs with the smoke)
+#   nano         benchmarks/nano_width.py: a random NemotronH with the Nano card's widths, pattern
+#                $NANO_PATTERNS (default MEM*E; a number N = the card's first N layers), through the
+#                Nano example at world size 1: per-stage breakdown, peak GPU memory, export
+#                throughput, gate MFU (needs .bench/qwen-tokenizer and .bench/mmlu)
 #   nemotron     Nemotron-H on cuda with mamba_ssm's triton kernels (its wheel carried in .whl):
 #                pytest tests/test_gpu_nemotron_h.py (logits vs transformers), then the tiny
 #                NemotronH example end to end at world size 1 (needs the tiny build under
@@ -46,12 +52,14 @@
 # CUDA extensions (FP8 fake quant) build into /tmp/torch_ext; REPORT_DIR/torch_ext.tgz keeps the
 # build, and a .gpu-cache/torch_ext.tgz carried next time is unpacked first (no rebuild).
 set -uo pipefail
-out=${1:?usage: gpu_checks.sh REPORT_DIR [all|all:1|all:2] [tests] [pipeline] [pipeline-fp8] [cpu-on-gpu] [gate] [bench-smoke] [bench] [bench-quick] [probe] [cost] [cost-large] [nemotron] [vllm-install] [vllm]}
+out=${1:?usage: gpu_checks.sh REPORT_DIR [all|all:1|all:2] [tests] [pipeline] [pipeline-fp8] [cpu-on-gpu] [gate] [bench-smoke] [bench] [bench-quick] [probe] [cost] [cost-large] [nano] [nemotron] [vllm-install] [vllm]}
 shift
 parts=${*:-tests pipeline}
 half1="tests pipeline pipeline-fp8 probe"
 half2="nemotron cpu-on-gpu bench-quick"
-parts=$(echo " $parts " | sed -e "s/ all:1 / $half1 /g" -e "s/ all:2 / $half2 /g" -e "s/ all / $half1 $half2 /g")
+third="nano"
+parts=$(echo " $parts " | sed -e "s/ all:1 / $half1 /g" -e "s/ all:2 / $half2 /g" -e "s/ all:3 / $third /g" \
+  -e "s/ all / $half1 $half2 $third /g")
 mkdir -p "$out"
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -64,13 +72,18 @@ elif [ -d /tmp/site ]; then   # installed by an earlier call on this host (/tmp 
 else
   export PYTHONPATH=$root
 fi
+# inputs carried by an earlier call on this host stay under /tmp (it persists while the host is warm;
+# ignored paths of the repo copy do not): the tiny builds and the benchmark inputs
+if [ -d .cache/tiny ]; then mkdir -p /tmp/ptq-cache && cp -a .cache/tiny /tmp/ptq-cache/; fi
+[ -d /tmp/ptq-cache/tiny ] && export PTQ_CACHE_DIR=/tmp/ptq-cache
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export TORCH_EXTENSIONS_DIR=/tmp/torch_ext
 mkdir -p "$TORCH_EXTENSIONS_DIR"
 # -m: the build's files get the current time, newer than the sources pip just installed, so
 # ninja finds them up to date (with their old times it rebuilt: 52 s on 2026-12-02)
 [ -f .gpu-cache/torch_ext.tgz ] && tar -C "$TORCH_EXTENSIONS_DIR" -xzmf .gpu-cache/torch_ext.tgz
-for t in .bench/*.tgz; do [ -f "$t" ] && tar -C .bench -xzf "$t"; done   # scripts/prepare_gpu_payload.sh packs them
+for t in .bench/*.tgz; do [ -f "$t" ] && tar -C .bench -xzf "$t" && mkdir -p /tmp/bench && tar -C /tmp/bench -xzf "$t"; done   # scripts/prepare_gpu_payload.sh packs them
+[ ! -d .bench/mmlu ] && [ -d /tmp/bench ] && mkdir -p .bench && cp -a /tmp/bench/. .bench/
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$out/parts.txt"
 python3 -c "import torch, megatron.core, modelopt; print('torch', torch.__version__, 'mcore', megatron.core.__version__, 'modelopt', modelopt.__version__)" | tee -a "$out/parts.txt"
 python3 -c "import importlib.metadata as m, importlib.util as u; print('versions', *[f'{n}={m.version(n) if u.find_spec(n.replace(chr(45), chr(95))) else None}' for n in ('transformers', 'triton', 'mamba_ssm')])" | tee -a "$out/parts.txt"
@@ -139,20 +152,31 @@ for part in $parts; do
                 stages.export.parallel={pp:1,world_size:1} stages.vllm_smoke.enabled=true
                 stages.vllm_smoke.python=$root/scripts/vllm_site_python stages.vllm_smoke.on_unsupported=fail
                 stages.vllm_smoke.startup_timeout_s=${VLLM_STARTUP_TIMEOUT_S:-240}"
-        timeout 420 python3 -m launcher.cli $example/megatron_lm_ptq.yaml $common "$@" stages.vllm_smoke.mode=server \
-          --run-id $name runs_root=/tmp/gpu-runs-vllm 2>&1 | tee "$out/vllm-$name-server.log" || rc=1
+        run=$(ls -d /tmp/gpu-runs-vllm/*/$name 2>/dev/null | head -1)
+        if [ "${VLLM_PIPELINE_ONLY:-0}" = 1 ]; then   # quantize, gate, export now; the smoke by a later call's --resume
+          [ -n "$run" ] && continue
+          timeout 300 python3 -m launcher.cli $example/megatron_lm_ptq.yaml $common "$@" stages.vllm_smoke.enabled=false \
+            --run-id $name runs_root=/tmp/gpu-runs-vllm 2>&1 | tee "$out/vllm-$name-pipeline.log" || rc=1
+          continue
+        fi
+        if [ -n "$run" ]; then from=(--resume "$run"); else from=(--run-id "$name"); fi
+        timeout "${VLLM_CASE_TIMEOUT_S:-420}" python3 -m launcher.cli $example/megatron_lm_ptq.yaml $common "$@" \
+          stages.vllm_smoke.mode=server "${from[@]}" runs_root=/tmp/gpu-runs-vllm 2>&1 | tee "$out/vllm-$name-server.log" || rc=1
         run=$(ls -d /tmp/gpu-runs-vllm/*/$name 2>/dev/null | head -1)
         [ -n "$run" ] || { rc=1; continue; }
         cp "$run/vllm_smoke/responses.json" "$out/vllm-$name-server.json" 2>/dev/null
         cp "$run/vllm_smoke/skip.json" "$out/vllm-$name-skip.json" 2>/dev/null
         cp "$run/vllm_smoke/log.txt" "$out/vllm-$name-server-engine.log" 2>/dev/null
         case " ${VLLM_OFFLINE_CASES-${VLLM_CASES:-qwen-nvfp4 qwen-fp8 nemotron-nvfp4}} " in *" $name "*) ;; *) continue ;; esac
-        timeout 300 python3 -m launcher.cli $example/megatron_lm_ptq.yaml $common "$@" stages.vllm_smoke.mode=offline \
+        timeout "${VLLM_CASE_TIMEOUT_S:-300}" python3 -m launcher.cli $example/megatron_lm_ptq.yaml $common "$@" stages.vllm_smoke.mode=offline \
           --resume "$run" runs_root=/tmp/gpu-runs-vllm 2>&1 | tee "$out/vllm-$name-offline.log" || rc=1
         cp "$run/vllm_smoke/responses.json" "$out/vllm-$name-offline.json" 2>/dev/null
         cp "$run/vllm_smoke/log.txt" "$out/vllm-$name-offline-engine.log" 2>/dev/null
       done
       (exit $rc) ;;
+    nano)
+      timeout "${NANO_TIMEOUT_S:-560}" python3 benchmarks/nano_width.py --out "$out/nano_width.json" \
+        --patterns "${NANO_PATTERNS:-MEM*E}" --timeout "${NANO_TIMEOUT_S:-560}" 2>&1 | tee "$out/nano.log" ;;
     nemotron)
       GPU_REPORT_DIR=$out timeout 240 python3 -m pytest -m gpu -p no:cacheprovider -s -q \
         tests/test_gpu_nemotron_h.py 2>&1 | tee "$out/nemotron_tests.log"
@@ -166,7 +190,7 @@ for part in $parts; do
       [ -n "$run" ] && tar -C "$run" -czf "$out/nemotron_run.tgz" --exclude='checkpoint*' --exclude='hf' \
         --exclude='*.safetensors' . ;
       [ "$rc_tests" = 0 ] && (exit $rc) ;;
-    *) echo "unknown part '$part' (valid: all all:1 all:2 tests pipeline pipeline-fp8 cpu-on-gpu gate bench-smoke bench bench-quick probe cost cost-large nemotron vllm-install vllm)"; exit 2 ;;
+    *) echo "unknown part '$part' (valid: all all:1 all:2 all:3 tests pipeline pipeline-fp8 cpu-on-gpu gate bench-smoke bench bench-quick probe cost cost-large nano nemotron vllm-install vllm)"; exit 2 ;;
   esac
   rc=$?   # pipefail: the status of the part's command, not of tee
   echo "== $part: exit $rc in $(( $(date +%s) - t0 )) s" | tee -a "$out/parts.txt"

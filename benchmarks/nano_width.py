@@ -1,0 +1,264 @@
+"""Nemotron-3-Nano-30B-A3B at its real width on one GPU: what each pipeline stage costs.
+
+    python3 benchmarks/nano_width.py --out $OUT/nano_width.json                 # pattern MEM*E
+    python3 benchmarks/nano_width.py --out $OUT/nano_width.json --patterns MEM*E,13   # + Nano's first 13 layers
+
+For each ``--patterns`` entry (a layer pattern such as ``MEM*E``, or a number N: the first N layers
+of the card's own pattern) it
+  1. builds a random ``NemotronHForCausalLM`` whose widths are read from the Nano card
+     (examples/nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16/config.json: hidden, attention heads and
+     KV heads, Mamba-2 heads/groups/state, 128 routed experts top-6 plus the shared expert, relu2,
+     untied embeddings), with the pattern cut to the given layers and the vocabulary of the Qwen
+     tokenizer in ``.bench/qwen-tokenizer`` (151,665 tokens, rounded up to a multiple of 128);
+     bf16 weights, built on the GPU and saved as safetensors;
+  2. runs the product on it: ``launch`` of the Nano example on ``executor.device`` at world size 1
+     (quantize NVFP4 with ``--calib-size`` samples of ``--calib-len`` tokens of MMLU text, the MMLU
+     gate on ``--fraction`` of ``.bench/mmlu/test.jsonl``, export), the gate's bound set to 0 (a
+     random model: the figures are cost, not quality);
+  3. reports per stage: wall time (metadata.json) and the stage's own breakdown (quantize/summary.json,
+     mmlu/results.json, export/verify.json timings), peak GPU memory (nvidia-smi sampled every
+     0.2 s), export throughput (parameters per second of ``export_s``) and the gate's MFU (useful
+     FLOPs = 2 x active non-embedding parameters per real token, over ``eval_s``, against the
+     H200's dense bf16 datasheet peak).
+The JSON is rewritten after each pattern, so a run cut off by a time limit keeps what it measured.
+A markdown table goes to stdout.  The extrapolation to the full Nano is paper: benchmarks/README.md.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks._common import (MMLU_JSONL, QWEN_TOKENIZER, REPO_ROOT, copy_tokenizer, log,  # noqa: E402
+                                markdown_table, read_jsonl, write_json)
+
+CARD = os.path.join(REPO_ROOT, "examples/nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16/config.json")
+NANO = "examples/nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16/megatron_lm_ptq.yaml"
+H200_BF16_DENSE_FLOPS = 989.4e12          # datasheet, dense (no sparsity)
+# card keys that are not NemotronHConfig arguments or that the benchmark sets itself
+_NOT_CONFIG = {"architectures", "model_type", "num_hidden_layers", "hybrid_override_pattern", "vocab_size"}
+
+
+def read_card(path: str = CARD) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def resolve_pattern(spec: str, card_pattern: str) -> str:
+    """``MEM*E`` -> itself; ``13`` -> the first 13 layers of the card's pattern."""
+    if spec.isdigit():
+        n = int(spec)
+        if not 1 <= n <= len(card_pattern):
+            raise ValueError(f"--patterns: {n} layers asked, the card's pattern has {len(card_pattern)}")
+        return card_pattern[:n]
+    bad = set(spec) - set("ME*-")
+    if bad:
+        raise ValueError(f"--patterns: {spec!r} has {sorted(bad)}; valid layer letters: M (Mamba-2), "
+                         f"E (MoE), * (attention), - (MLP)")
+    return spec
+
+
+def nano_config(card: dict, pattern: str, vocab: int, tokenizer) -> "object":
+    """The NemotronHConfig of the card with ``pattern`` as its layers and ``vocab`` tokens."""
+    from transformers import NemotronHConfig
+
+    kwargs = {k: v for k, v in card.items() if k not in _NOT_CONFIG}
+    return NemotronHConfig(**kwargs, vocab_size=vocab, hybrid_override_pattern=pattern,
+                           num_hidden_layers=len(pattern), conv_kernel=4, chunk_size=128,
+                           max_position_embeddings=4096, use_cache=False,
+                           bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                           pad_token_id=tokenizer.pad_token_id, dtype="bfloat16")
+
+
+def param_counts(model, top_k: int, n_experts: int) -> dict:
+    """Total, routed-expert and active non-embedding parameters (per token)."""
+    total = experts = embed = 0
+    for name, p in model.named_parameters():
+        n = p.numel()
+        total += n
+        if ".experts." in name:
+            experts += n
+        if "embeddings" in name or "embed_tokens" in name:
+            embed += n
+    active = total - embed - experts + experts * top_k // n_experts
+    return {"total": total, "routed_experts": experts, "embedding": embed, "active_non_embedding": active}
+
+
+def build_model(out: str, card: dict, pattern: str, device: str, seed: int = 0) -> dict:
+    import torch
+    import transformers
+
+    copy_tokenizer(QWEN_TOKENIZER, out)
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    vocab = (len(tok) + 127) // 128 * 128
+    config = nano_config(card, pattern, vocab, tok)
+    torch.manual_seed(seed)
+    t = time.perf_counter()
+    with torch.device(device):
+        model = transformers.NemotronHForCausalLM(config).to(torch.bfloat16).eval()
+    build_s = time.perf_counter() - t
+    counts = param_counts(model, card["num_experts_per_tok"], card["n_routed_experts"])
+    t = time.perf_counter()
+    model.save_pretrained(out, max_shard_size="2GB")
+    save_s = time.perf_counter() - t
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return {"pattern": pattern, "layers": len(pattern), "vocab": vocab, "tokenizer_tokens": len(tok),
+            "params": counts, "build_s": build_s, "save_s": save_s,
+            "bytes_bf16": sum(os.path.getsize(p) for p in glob.glob(os.path.join(out, "*.safetensors")))}
+
+
+class GpuMemorySampler:
+    """Peak ``memory.used`` of GPU 0 by nvidia-smi, sampled on a thread (MiB)."""
+
+    def __init__(self, period_s: float = 0.2):
+        self.period_s, self.peak_mib, self._stop = period_s, 0, threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits",
+                                      "-i", "0"], capture_output=True, text=True, timeout=5).stdout
+                self.peak_mib = max(self.peak_mib, int(out.strip().splitlines()[0]))
+            except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+                pass
+            self._stop.wait(self.period_s)
+
+    def __enter__(self) -> "GpuMemorySampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def write_calibration(path: str, n: int) -> str:
+    """``n`` calibration texts of MMLU questions, long enough to fill ``--calib-len`` tokens."""
+    rows = read_jsonl(MMLU_JSONL)
+    with open(path, "w") as f:
+        for i in range(n):
+            block = [rows[(i * 37 + j) % len(rows)] for j in range(12)]
+            text = "\n\n".join(r["question"] + "\n" + "\n".join(f"{l}. {c}" for l, c in zip("ABCD", r["choices"]))
+                               for r in block)
+            f.write(json.dumps({"text": text}) + "\n")
+    return path
+
+
+def read_stage_figures(run_dir: str) -> dict:
+    """Per stage: status and wall (metadata.json) plus the stage's own timings."""
+    meta = json.load(open(os.path.join(run_dir, "metadata.json")))
+    out = {s: {"status": st.get("status"), "wall_s": st.get("duration_s")} for s, st in (meta.get("stages") or {}).items()}
+    for stage, name in (("quantize", "summary.json"), ("mmlu", "results.json"), ("export", "verify.json")):
+        p = os.path.join(run_dir, stage, name)
+        if os.path.isfile(p):
+            doc = json.load(open(p))
+            out.setdefault(stage, {}).update(doc.get("timings") or {})
+            if stage == "mmlu":
+                plan = doc.get("plan") or {}
+                padded = sum(plan.get("padded_tokens_per_rank") or [0])
+                out["mmlu"].update(n=doc.get("n"), accuracy=doc.get("accuracy"),
+                                   real_tokens=round(padded * (doc.get("padding_efficiency_with_plan") or 0)))
+    return out
+
+
+def derived(fig: dict, model: dict) -> dict:
+    out = {}
+    e, m = fig.get("export") or {}, fig.get("mmlu") or {}
+    if e.get("export_s"):
+        out["export_params_per_s"] = model["params"]["total"] / e["export_s"]
+    if m.get("eval_s") and m.get("real_tokens"):
+        flops = 2 * model["params"]["active_non_embedding"] * m["real_tokens"]
+        out["gate_tokens_per_s"] = m["real_tokens"] / m["eval_s"]
+        out["gate_mfu_datasheet"] = flops / m["eval_s"] / H200_BF16_DENSE_FLOPS
+    return out
+
+
+def run_pattern(spec: str, card: dict, work: str, args) -> dict:
+    pattern = resolve_pattern(spec, card["hybrid_override_pattern"])
+    hf = os.path.join(work, f"nano-{len(pattern)}")
+    log(f"pattern {pattern}: building the model in {hf}")
+    model = build_model(hf, card, pattern, args.device)
+    log(f"  {model['params']['total'] / 1e9:.2f} B parameters, {model['bytes_bf16'] / 1e9:.1f} GB, "
+        f"built {model['build_s']:.1f} s, saved {model['save_s']:.1f} s")
+    calib = write_calibration(os.path.join(work, "calib.jsonl"), args.calib_size)
+    runs_root = os.path.join(work, "runs")
+    job = f"nano-width-{len(pattern)}"
+    one = "{tp:1,pp:1,ep:1,etp:1,world_size:1}"
+    cmd = [sys.executable, "-m", "launcher.cli", NANO, f"model.path={hf}", f"model.num_layers={len(pattern)}",
+           f"model.hybrid_pattern={pattern}", f"model.vocab_size={model['vocab']}", "model.trust_remote_code=false",
+           f"stages.quantize.calib.dataset={calib}", f"stages.quantize.calib.size={args.calib_size}",
+           f"stages.quantize.calib.max_seq_len={args.calib_len}", f"stages.quantize.parallel={one}",
+           f"stages.mmlu.parallel={one}", f"stages.export.parallel={one}", f"stages.mmlu.dataset={MMLU_JSONL}",
+           f"stages.mmlu.fraction={args.fraction}", "stages.mmlu.lower_bound=0.0",
+           "stages.vllm_smoke.enabled=false", f"executor.device={args.device}", f"runs_root={runs_root}",
+           f"job_name={job}", *args.overrides]
+    log("  " + " ".join(cmd))
+    t = time.perf_counter()
+    with GpuMemorySampler() as mem:
+        p = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=args.timeout)
+    wall = time.perf_counter() - t
+    runs = sorted(glob.glob(os.path.join(runs_root, job, "*")), key=os.path.getmtime)
+    entry = {"spec": spec, "model": model, "launch_wall_s": wall, "exit": p.returncode,
+             "peak_gpu_memory_mib": mem.peak_mib}
+    if p.returncode != 0:
+        entry["error_tail"] = (p.stdout[-2000:] + "\n" + p.stderr[-3000:])
+    if runs:
+        entry["run_dir"] = runs[-1]
+        entry["stages"] = read_stage_figures(runs[-1])
+        entry.update(derived(entry["stages"], model))
+    return entry
+
+
+def table(results: list[dict]) -> str:
+    rows = []
+    for r in results:
+        s = r.get("stages") or {}
+        q, m, e = s.get("quantize") or {}, s.get("mmlu") or {}, s.get("export") or {}
+        rows.append([r["model"]["pattern"], f"{r['model']['params']['total'] / 1e9:.2f} B", q.get("wall_s"),
+                     q.get("calibrate_and_quantize_s"), m.get("wall_s"), m.get("eval_s"), e.get("wall_s"),
+                     e.get("export_s"), e.get("verify_s"), f"{r.get('export_params_per_s', 0) / 1e6:.1f}",
+                     f"{r.get('gate_mfu_datasheet', 0):.4f}", r["peak_gpu_memory_mib"], r["exit"]])
+    return markdown_table(["pattern", "params", "quantize s", "calib+quant s", "gate s", "gate eval s",
+                           "export s", "export write s", "verify s", "export M params/s", "gate MFU",
+                           "peak GPU MiB", "exit"], rows)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--patterns", default="MEM*E", help="comma-separated: a layer pattern, or N = the card's first N")
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--calib-size", type=int, default=8)
+    ap.add_argument("--calib-len", type=int, default=512)
+    ap.add_argument("--fraction", type=float, default=0.01)
+    ap.add_argument("--timeout", type=int, default=900, help="per launch, seconds")
+    ap.add_argument("overrides", nargs="*", help="extra launch overrides")
+    args = ap.parse_args(argv)
+    card = read_card()
+    specs = args.patterns.split(",")
+    for s in specs:                          # refuse a bad spec before building anything
+        resolve_pattern(s, card["hybrid_override_pattern"])
+    doc = {"benchmark": "nano_width", "card": os.path.relpath(CARD, REPO_ROOT), "args": vars(args), "results": []}
+    work = tempfile.mkdtemp(prefix="bench-nano-")
+    for spec in specs:
+        doc["results"].append(run_pattern(spec, card, work, args))
+        write_json(args.out, {**doc, "complete": False})
+        print(table(doc["results"]), flush=True)
+    doc["complete"] = True
+    write_json(args.out, doc)
+    return 0 if all(r["exit"] == 0 for r in doc["results"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
