@@ -104,6 +104,11 @@ def vllm_python(configured: Optional[str] = None) -> str:
     return sys.executable
 
 
+# set by torch.distributed's elastic agent for each rank it starts (local_agent, torchrun)
+_RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                   "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")
+
+
 def vllm_env(base: Optional[dict] = None, device: str = "cpu") -> dict:
     """Environment for a vLLM process; values already set (cfg.env, the user) win."""
     env = dict(os.environ if base is None else base)
@@ -112,9 +117,16 @@ def vllm_env(base: Optional[dict] = None, device: str = "cpu") -> dict:
         # grabs a large KV cache, or binds to a non-local address.
         env.setdefault("VLLM_TARGET_DEVICE", "cpu")
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    # the smoke runs vLLM on one node (its TP workers on this rank's node): its process group binds to
-    # loopback.  Otherwise vLLM picks the host's address, and on the lent H200 (no network) its NCCL
-    # rendezvous on that address hung until the startup timeout (2026-12-04, vLLM 0.26.0).
+    # vLLM is its own distributed job, not a rank of ours: the rank variables the elastic agent set
+    # for this stage's rank must not reach it.  TORCHELASTIC_USE_AGENT_STORE=True makes every
+    # init_process_group of the process a TCPStore *client* of the given address (the agent hosts the
+    # store); vLLM's engine, which expects to host its own store there, then waited for a server that
+    # never came (the H200 smoke hung at "distributed_init_method=tcp://... backend=nccl" until the
+    # startup timeout, 2026-12-04 and -05, vLLM 0.26.0).
+    for key in list(env):
+        if key.startswith("TORCHELASTIC_") or key in _RANK_VARIABLES:
+            del env[key]
+    # one node (its TP workers on this rank's node): its process group binds to loopback
     env.setdefault("VLLM_HOST_IP", "127.0.0.1")
     env.setdefault("PYTHONUNBUFFERED", "1")
     # The worker's venv must not leak into the vLLM venv.
