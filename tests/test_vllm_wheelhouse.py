@@ -95,3 +95,19 @@ def test_install_names_missing_and_corrupt_parts(tmp_path):
     assert str(e.value) == ("[wheelhouse] cannot install: part-01: missing; "
                             "part-02: size or sha256 differs from manifest.json")
     assert not (tmp_path / "t").exists()
+
+
+def test_site_python_puts_the_site_first_and_turns_off_the_flashinfer_sampler(tmp_path):
+    import subprocess
+    import sys
+
+    probe = "import os, sys; print(sys.path[1]); print(os.environ['VLLM_USE_FLASHINFER_SAMPLER'])"
+    env = {"PATH": os.environ["PATH"], "VLLM_SITE": str(tmp_path), "VLLM_BASE_PYTHON": sys.executable,
+           "PYTHONPATH": "/elsewhere"}
+    out = subprocess.run([str(ROOT / "scripts" / "vllm_site_python"), "-c", probe], env=env,
+                         capture_output=True, text=True, check=True).stdout.split()
+    assert out == [str(tmp_path), "0"]
+    env["VLLM_USE_FLASHINFER_SAMPLER"] = "1"           # the user's choice wins
+    out = subprocess.run([str(ROOT / "scripts" / "vllm_site_python"), "-c", probe], env=env,
+                         capture_output=True, text=True, check=True).stdout.split()
+    assert out == [str(tmp_path), "1"]
