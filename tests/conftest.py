@@ -1,8 +1,11 @@
-"""Shared fixtures: the tiny embedded-default model (built once, cached by its recipe hash)."""
+"""Shared fixtures: the tiny embedded-default model (built once, cached by its recipe hash); the
+session's shared runs (tests/shared_runs.py: `tiny_run`, used copy-on-write)."""
 import os
 import re
 
 import pytest
+
+pytest_plugins = ["shared_runs"]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_EXAMPLE = os.path.join(ROOT, "examples", "tiny", "Qwen3-MoE-tiny", "megatron_lm_ptq.yaml")
@@ -79,7 +82,7 @@ def pytest_runtest_protocol(item, nextitem):
 
 # fixtures that build or load a model with torch: a test using one (directly or through another
 # fixture) is a `torch` test without saying so
-TORCH_FIXTURES = frozenset({"tiny_dir", "random_tiny_moe", "smollm2_dir"})
+TORCH_FIXTURES = frozenset({"tiny_dir", "random_tiny_moe", "smollm2_dir", "tiny_run"})
 
 
 def pytest_collection_modifyitems(config, items):
