@@ -37,7 +37,7 @@ class ModelCard:
     """A checkpoint and the dimensions parallelism must divide."""
 
     name: str = text()
-    architecture: str = owned("launcher.config.validate (SUPPORTED_ARCHITECTURES)")  # HF `architectures[0]`
+    architecture: str = owned("launcher.architectures (ARCHITECTURES)")  # HF `architectures[0]`
     path: str = path(kind="dir", hub_ok=True)   # local HF checkpoint directory (or hub id when online)
     from_checkpoint: bool = False      # fill the dimensions below from path/config.json
     num_layers: int = ranged(lo=1)

@@ -10,8 +10,9 @@ import sys
 
 import pytest
 
+from launcher.architectures import SUPPORTED as SUPPORTED_ARCHITECTURES
 from launcher.config.compose import ConfigError, compose_example
-from launcher.config.validate import SUPPORTED_ARCHITECTURES, enabled_stages, stage_dims, validate
+from launcher.config.validate import enabled_stages, stage_dims, validate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = sorted(glob.glob(os.path.join(ROOT, "examples", "**", "*.yaml"), recursive=True))

@@ -18,13 +18,12 @@ from typing import Any
 from omegaconf import DictConfig
 
 from launcher import schema, schema_rules as rules
+from launcher.architectures import SUPPORTED, is_hybrid, tp_problem
 from launcher.config.compose import ConfigError
-from launcher.config.hf_card import HYBRID_ARCHITECTURES, card_from_hf_config
+from launcher.config.hf_card import card_from_hf_config
 from launcher.hf_config import PATTERN_SYMBOLS, hybrid_layers, nemotron_h_unsupported, read_hf_config_if_present
 from launcher.paths import recipe_names
 from launcher.topology import ParallelDims, minimal_world_size
-
-SUPPORTED_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM", "NemotronHForCausalLM")
 
 
 def divisors(n: int) -> list[int]:
@@ -87,8 +86,8 @@ def validate(cfg: DictConfig, check_paths: bool = True) -> list[str]:
 
 def _check_model(cfg: DictConfig, err: _Errors, check_paths: bool) -> None:
     card = cfg.model
-    if card.architecture not in SUPPORTED_ARCHITECTURES:
-        err.add("model.architecture", card.architecture, f"not supported; valid: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    if card.architecture not in SUPPORTED:
+        err.add("model.architecture", card.architecture, f"not supported; valid: {', '.join(SUPPORTED)}")
     if card.num_attention_heads >= 1 and card.num_query_groups >= 1 and card.num_attention_heads % card.num_query_groups:
         err.add("model.num_query_groups", card.num_query_groups,
                 f"must divide model.num_attention_heads={card.num_attention_heads}")
@@ -104,7 +103,7 @@ def _check_model(cfg: DictConfig, err: _Errors, check_paths: bool) -> None:
         elif len(layers) != card.num_layers:
             err.add("model.hybrid_pattern", card.hybrid_pattern,
                     f"has {len(layers)} layers but model.num_layers={card.num_layers}")
-    elif card.architecture in HYBRID_ARCHITECTURES:
+    elif is_hybrid(card.architecture):
         err.add("model.hybrid_pattern", None, f"{card.architecture} needs its layer pattern (config.json "
                 "hybrid_override_pattern, e.g. 'MEM*E'); set it, or use model=from_checkpoint")
     try:
@@ -117,7 +116,7 @@ def _check_model(cfg: DictConfig, err: _Errors, check_paths: bool) -> None:
         if check_paths and os.path.isdir(card.path):
             err.add("model.path", card.path, "no config.json there (a local Hugging Face checkpoint directory)")
         return
-    if derived.get("architecture") in HYBRID_ARCHITECTURES:
+    if is_hybrid(derived.get("architecture")):
         for problem in nemotron_h_unsupported(hf):
             err.add("model.path", card.path, problem)
     for key, value in derived.items():
@@ -199,10 +198,8 @@ def _check_parallel(cfg: DictConfig, stage: str, err: _Errors) -> None:
         err.add(f"{key}.pp", p.pp, f"must divide {what}{card.num_layers} layers: Megatron gives every "
                 f"pipeline stage the same number of whole layers "
                 f"(valid: {', '.join(map(str, divisors(card.num_layers)))})")
-    if card.architecture in HYBRID_ARCHITECTURES and p.tp > 1:
-        err.add(f"{key}.tp", p.tp, f"must be 1 for {card.architecture}: ModelOpt 0.47's Nemotron-H import "
-                "replicates the Mamba mixer's norm weight, which Megatron shards over TP (the weights "
-                "would not load); use ep/pp instead")
+    if why := tp_problem(card.architecture, p.tp):
+        err.add(f"{key}.tp", p.tp, why)
     for dim in ("num_attention_heads", "num_query_groups"):
         if card[dim] % p.tp:
             err.add(f"{key}.tp", p.tp, f"must divide model.{dim}={card[dim]} "
