@@ -17,19 +17,20 @@ from typing import Optional
 
 from omegaconf import DictConfig
 
-from launcher.config.validate import enabled_stages, stage_dims
 from launcher.contract import (
     EXIT_REASONS, STAGE_ORDER, ExitCode, JobState, RunLayout, StageName, StageStatus, split_secrets)
 from launcher.executors.base import Executor, StagePlan
 from launcher.rundir import RunDirectory
+from launcher.schema import enabled_stages
 from launcher.stages import registry
+from launcher.topology import ParallelDims
 
 QUIET_WARNINGS = "ignore::FutureWarning,ignore::DeprecationWarning,ignore::UserWarning"
 
 
 def stage_plan(cfg: DictConfig, stage: str, run_dir: str, python: Optional[str] = None,
                preflight_only: bool = False) -> StagePlan:
-    dims = stage_dims(cfg, stage)
+    dims = ParallelDims.from_stage(cfg, stage)
     argv = [python or sys.executable, "-m", "launcher.worker", stage, run_dir]
     if preflight_only:
         argv.append("--preflight-only")
@@ -234,7 +235,7 @@ def _print_summary(run: RunDirectory) -> None:
 
 def _dims_if_valid(cfg: DictConfig, stage: str):
     try:
-        return stage_dims(cfg, stage)
+        return ParallelDims.from_stage(cfg, stage)
     except ValueError:
         return None
 
@@ -252,7 +253,7 @@ def describe_plan(cfg: DictConfig, run_dir: str = "<run_dir>") -> dict:
                 entry["disabled_reason"] = st.disabled_reason
             stages.append(entry)
             continue
-        dims = stage_dims(cfg, s) if st.enabled else _dims_if_valid(cfg, s)   # a disabled stage's may be unset
+        dims = ParallelDims.from_stage(cfg, s) if st.enabled else _dims_if_valid(cfg, s)   # a disabled stage's may be unset
         entry = {"name": s, "enabled": bool(st.enabled), **(dims.describe() if dims else {})}
         if s == StageName.MMLU and dims:
             entry["shard_mode"] = st.shard_mode

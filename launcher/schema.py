@@ -13,7 +13,7 @@ from typing import Any, Optional, Union
 
 from omegaconf import MISSING
 
-from launcher.contract import STAGE_ORDER  # noqa: F401  (the stage names are the contract's)
+from launcher.contract import STAGE_ORDER  # the stage names are the contract's
 from launcher.contract import (
     BaselineMode, Device, Dispatcher, Dtype, OnUnsupported, ShardMode, VllmMode, VllmScoring, values)
 from launcher.formats import FormatName
@@ -208,6 +208,11 @@ class Stages:
     mmlu: MmluStage = field(default_factory=MmluStage)
     export: ExportStage = field(default_factory=ExportStage)
     vllm_smoke: VllmSmokeStage = field(default_factory=VllmSmokeStage)
+
+
+def enabled_stages(cfg) -> list[str]:
+    """The names of a composed config's enabled stages, in pipeline order."""
+    return [s for s in STAGE_ORDER if cfg.stages[s].enabled]
 
 
 def gate_dtype(cfg) -> Dtype:

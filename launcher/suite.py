@@ -21,10 +21,12 @@ from xml.etree import ElementTree as ET
 
 from launcher.architectures import ARCHITECTURES
 from launcher.config.compose import ConfigError, compose_example
-from launcher.config.validate import enabled_stages, stage_dims, validate
+from launcher.config.validate import validate
 from launcher.contract import RunLayout, StageName, UserError
 from launcher.hf_config import read_hf_config_if_present
 from launcher.rundir import read_json
+from launcher.schema import enabled_stages
+from launcher.topology import ParallelDims
 
 
 @dataclass
@@ -57,7 +59,7 @@ def why_not_runnable(cfg, gpus: int) -> Optional[str]:
     if gpus == 0 and arch is not None and arch.gpu_only:
         return f"{arch.name} needs a GPU ({arch.gpu_only}); this machine has no GPU"
     if gpus and cfg.executor.device != "cpu":
-        need = max(stage_dims(cfg, s).world_size for s in enabled_stages(cfg))
+        need = max(ParallelDims.from_stage(cfg, s).world_size for s in enabled_stages(cfg))
         if need > gpus:
             return f"needs {need} GPUs, this machine has {gpus}"
     try:

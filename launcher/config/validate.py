@@ -23,25 +23,12 @@ from launcher.config.compose import ConfigError
 from launcher.config.hf_card import card_from_hf_config
 from launcher.hf_config import PATTERN_SYMBOLS, hybrid_layers, nemotron_h_unsupported, read_hf_config_if_present
 from launcher.paths import recipe_names
-from launcher.topology import ParallelDims, minimal_world_size
+from launcher.schema import enabled_stages
+from launcher.topology import ParallelDims
 
 
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def stage_dims(cfg: DictConfig, stage: str) -> ParallelDims:
-    """ParallelDims of a stage (world size defaulted to the smallest the degrees divide); vllm_smoke
-    is one launcher rank (vLLM starts its own tensor-parallel workers)."""
-    if stage == "vllm_smoke":
-        return ParallelDims(world_size=1)
-    p = cfg.stages[stage].parallel
-    world = p.world_size or minimal_world_size(p.tp, p.pp, p.cp, p.ep, p.etp)
-    return ParallelDims(world_size=world, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, etp=p.etp)
-
-
-def enabled_stages(cfg: DictConfig) -> list[str]:
-    return [s for s in schema.STAGE_ORDER if cfg.stages[s].enabled]
 
 
 class _Errors:
@@ -163,7 +150,7 @@ def _check_slurm_nodes(cfg: DictConfig, err: _Errors) -> None:
         return
     for stage in enabled_stages(cfg):
         try:
-            world = stage_dims(cfg, stage).world_size
+            world = ParallelDims.from_stage(cfg, stage).world_size
         except ValueError:
             continue   # the stage's own parallel errors are reported already
         n = stage_nodes(world, ex.nodes)
@@ -205,7 +192,7 @@ def _check_parallel(cfg: DictConfig, stage: str, err: _Errors) -> None:
             err.add(f"{key}.tp", p.tp, f"must divide model.{dim}={card[dim]} "
                     f"(valid: {', '.join(map(str, divisors(card[dim])))})")
     try:   # the rank grid every rank builds: world = tp*cp*dp*pp = etp*ep*edp*pp (ParallelDims' rule)
-        stage_dims(cfg, stage)
+        ParallelDims.from_stage(cfg, stage)
     except ValueError as e:
         err.add(f"{key}.world_size", p.world_size, str(e))
 
