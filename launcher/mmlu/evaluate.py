@@ -74,12 +74,11 @@ def run_plan(model, token_ids: Sequence[Sequence[int]], batches: Sequence[Batch]
 
 def gather_to_rank0(local: dict, rank: int, world_size: int) -> Optional[dict]:
     """Merge every rank's {prompt index: result} on rank 0 (None elsewhere)."""
-    import torch.distributed as dist
+    from launcher.megatron.collectives import gather_to_rank0 as gather
 
     if world_size == 1:
         return dict(local)
-    box = [None] * world_size if rank == 0 else None
-    dist.gather_object(local, box, dst=0)
+    box = gather(local, rank)
     if rank != 0:
         return None
     merged: dict = {}
@@ -89,16 +88,6 @@ def gather_to_rank0(local: dict, rank: int, world_size: int) -> Optional[dict]:
                 raise AssertionError(f"prompt {k} reported by two ranks")
             merged[k] = v
     return merged
-
-
-def broadcast_from_rank0(value):
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 def evaluate_model(model, prepared, dims, rank: int, mode: str = "auto",

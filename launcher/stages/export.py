@@ -18,6 +18,7 @@ import shutil
 import time
 
 from launcher.contract import StageFailed, write_json_atomic
+from launcher.megatron.collectives import all_gather, broadcast, on_rank0
 from launcher.stages.context import StageContext
 
 TMP_SUFFIX = ".tmp-export"
@@ -27,41 +28,6 @@ MAX_ERRORS_IN_MESSAGE = 5
 # model) while the others wait; they wait on a gloo group of their own with this timeout, not on
 # the stage's collective timeout (120 s by default).
 VERIFY_WAIT_TIMEOUT_S = 6 * 3600
-
-
-def _broadcast(value, group=None):
-    import torch.distributed as dist
-
-    box = [value]
-    dist.broadcast_object_list(box, src=0, group=group)
-    return box[0]
-
-
-def _long_wait_group():
-    import datetime
-
-    import torch.distributed as dist
-
-    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=VERIFY_WAIT_TIMEOUT_S))
-
-
-def _gather(value) -> list:
-    import torch.distributed as dist
-
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
-    return out
-
-
-def _on_rank0(ctx: StageContext, fn, group=None):
-    """Run ``fn`` on rank 0; every rank gets (result, error message) - no rank is left hanging."""
-    result, error = None, None
-    if ctx.rank == 0:
-        try:
-            result = fn()
-        except Exception as e:  # noqa: BLE001 - shared with every rank, then raised there
-            error = f"{type(e).__name__}: {e}"
-    return _broadcast((result, error), group)
 
 
 def _references(ctx: StageContext, model, fmt: str, export_dir: str):
@@ -152,10 +118,10 @@ def run(ctx: StageContext) -> None:
     tmp = final + TMP_SUFFIX
     if ctx.dims.tp != 1 or ctx.dims.ep != 1 or ctx.dims.etp != 1:
         raise StageFailed(f"export needs tp=1 ep=1 etp=1, got {ctx.dims.describe()} (config validation refuses this)")
-    exists = _broadcast(os.path.exists(final) if ctx.rank == 0 else None)
+    exists = broadcast(os.path.exists(final) if ctx.rank == 0 else None)
     if exists and not stage.overwrite:
         raise StageFailed(f"{final} exists; refusing to overwrite it (set stages.export.overwrite=true)")
-    _, err = _on_rank0(ctx, lambda: (shutil.rmtree(tmp, ignore_errors=True), os.makedirs(tmp)))
+    _, err = on_rank0(lambda: (shutil.rmtree(tmp, ignore_errors=True), os.makedirs(tmp)), ctx.rank)
     if err:
         raise StageFailed(f"cannot create {tmp}: {err}")
     timings = {}
@@ -176,9 +142,9 @@ def run(ctx: StageContext) -> None:
 
     if not stage.verify:
         ctx.warn("stages.export.verify=false: publishing an UNVERIFIED export")
-        _, err = _on_rank0(ctx, lambda: (_publish(tmp, final, True, stage.overwrite), write_json_atomic(
+        _, err = on_rank0(lambda: (_publish(tmp, final, True, stage.overwrite), write_json_atomic(
             ctx.layout.export_verify, {"ok": None, "skipped": "stages.export.verify=false",
-                                                "export_dir": final, "timings": timings})))
+                                       "export_dir": final, "timings": timings})), ctx.rank)
         if err:
             raise StageFailed(err)
         return
@@ -186,7 +152,7 @@ def run(ctx: StageContext) -> None:
     t = time.time()
     expected_dtype = str(resolve_dtype(stage.dtype, ctx.device)).replace("torch.", "")
     results, quantized = _references(ctx, model, fmt, tmp)
-    gathered = _gather((results, sorted(quantized) if results is not None else quantized))
+    gathered = all_gather((results, sorted(quantized) if results is not None else quantized))
     unmapped = sorted({names for rank_results, names in gathered if rank_results is None})
     all_results = None if unmapped else [r for rank_results, _ in gathered for r in rank_results]
     all_quantized = None if unmapped else {n for _, names in gathered for n in names}
@@ -205,13 +171,7 @@ def run(ctx: StageContext) -> None:
         return {"ok": report["ok"], "errors": report["errors"], "export_dir": report["export_dir"],
                 "size": report.get("size")}
 
-    import torch.distributed as dist
-
-    wait_group = _long_wait_group()
-    try:
-        summary, err = _on_rank0(ctx, verify_and_publish, wait_group)
-    finally:
-        dist.destroy_process_group(wait_group)
+    summary, err = on_rank0(verify_and_publish, ctx.rank, wait_s=VERIFY_WAIT_TIMEOUT_S)
     if err:
         raise StageFailed(f"export verification could not complete: {err}")
     if not summary["ok"]:

@@ -18,6 +18,7 @@ from typing import Optional
 
 from launcher.schema import gate_dtype
 from launcher.contract import ExitCode, StageFailed, write_json_atomic
+from launcher.megatron.collectives import LONG_WAIT_S, all_gather, broadcast, on_rank0
 from launcher.mmlu import gate as gate_mod
 from launcher.mmlu.batching import BatchLimits, padding_efficiency, resolve_limits
 from launcher.mmlu.data import LETTERS
@@ -43,10 +44,7 @@ def batch_limits(scfg, device: str, hf_path: str) -> BatchLimits:
         topk = int(hf.get("num_experts_per_tok") or 0)
         moe = topk > 0
         mem = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-            every = [None] * torch.distributed.get_world_size()   # one budget, one shard plan
-            torch.distributed.all_gather_object(every, mem)
-            mem = min(every)
+        mem = min(all_gather(mem))   # one budget, one shard plan
         per_token = activation_bytes_per_token(
             hf["hidden_size"], hf.get("intermediate_size") or 4 * hf["hidden_size"], topk,
             int(hf.get("moe_intermediate_size") or 0))
@@ -115,34 +113,22 @@ def _baseline_lookup(ctx: StageContext, prepared: Prepared, dtype: str) -> dict:
     from launcher.mmlu import baseline_cache
 
     scfg = ctx.stage_cfg
-    found, info = None, None
-    if ctx.rank == 0:
+    found = None
+
+    def lookup() -> dict:
+        nonlocal found
         t = time.time()
-        try:
-            found = baseline_cache.lookup(
-                baseline_cache.resolve_dir(scfg.baseline_cache_dir), ctx.cfg.model.path,
-                [p.text for p in prepared.prompts], prepared.token_ids, scfg.few_shots, scfg.add_bos,
-                str(resolve_dtype(dtype, ctx.device)).replace("torch.", ""))
-            info = {"hit": found.hit, "path": found.path, "key": found.key, "miss": found.miss_reason,
-                    "error": None, "seconds": round(time.time() - t, 2)}
-        except (OSError, ValueError) as e:
-            info = {"hit": False, "path": None, "key": None, "miss": "", "error": f"{type(e).__name__}: {e}"}
-    import datetime
+        found = baseline_cache.lookup(
+            baseline_cache.resolve_dir(scfg.baseline_cache_dir), ctx.cfg.model.path,
+            [p.text for p in prepared.prompts], prepared.token_ids, scfg.few_shots, scfg.add_bos,
+            str(resolve_dtype(dtype, ctx.device)).replace("torch.", ""))
+        return {"hit": found.hit, "path": found.path, "key": found.key, "miss": found.miss_reason,
+                "seconds": round(time.time() - t, 2)}
 
-    import torch.distributed as dist
-
-    # rank 0 may hash a large checkpoint for minutes the first time: wait on a group of our own
-    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(hours=6)) if dist.is_initialized() else None
-    try:
-        box = [info]
-        if group is not None:
-            dist.broadcast_object_list(box, src=0, group=group)
-        info = box[0]
-    finally:
-        if group is not None:
-            dist.destroy_process_group(group)
-    if info["error"]:
-        raise StageFailed(f"baseline cache: {info['error']}")
+    # rank 0 may hash a large checkpoint for minutes the first time: the others wait that long
+    info, error = on_rank0(lookup, ctx.rank, wait_s=LONG_WAIT_S, errors=(OSError, ValueError))
+    if error:
+        raise StageFailed(f"baseline cache: {error}")
     if scfg.baseline == "cached" and not info["hit"]:
         raise StageFailed(f"stages.mmlu.baseline='cached': {info['miss']}")
     ctx.log(f"baseline cache {'hit' if info['hit'] else 'miss'}: {info['path']}"
@@ -170,8 +156,7 @@ def run(ctx: StageContext) -> None:
     from launcher.megatron.checkpoint import load_checkpoint
     from launcher.megatron.hf_io import import_hf_weights
     from launcher.megatron.models import build_model, resolve_dtype
-    from launcher.mmlu.evaluate import (broadcast_from_rank0, evaluate_model, prepare_model_for_eval,
-                                        release_model_after_eval)
+    from launcher.mmlu.evaluate import evaluate_model, prepare_model_for_eval, release_model_after_eval
 
     scfg, cfg = ctx.stage_cfg, ctx.cfg
     gate_mod.check_gate_config(scfg.lower_bound, scfg.max_drop, scfg.baseline, scfg.baseline_accuracy)
@@ -247,7 +232,7 @@ def run(ctx: StageContext) -> None:
         for w in decision.warnings:
             ctx.warn(w)
         verdict = {"pass": decision.passed, "failures": decision.failures}
-    verdict = broadcast_from_rank0(verdict)
+    verdict = broadcast(verdict)
     if not verdict["pass"]:
         raise StageFailed("MMLU gate failed: " + "; ".join(verdict["failures"]),
                           exit_code=ExitCode.GATE_FAILED)

@@ -12,6 +12,7 @@ import time
 from importlib import metadata
 
 from launcher.contract import StageFailed, write_json_atomic
+from launcher.megatron.collectives import all_gather
 from launcher.stages.context import StageContext
 
 PACKAGES = ("torch", "megatron-core", "nvidia-modelopt", "transformers", "safetensors", "datasets",
@@ -30,10 +31,7 @@ def package_versions() -> dict[str, str | None]:
 
 def _same_on_all_ranks(value: int, what: str) -> None:
     """Fail on every rank (not hang in a later collective) when ranks disagree on ``value``."""
-    import torch.distributed as dist
-
-    values = [None] * dist.get_world_size()
-    dist.all_gather_object(values, value)
+    values = all_gather(value)
     if len(set(values)) != 1:
         raise StageFailed(f"ranks disagree on {what}: {values}; calibration forwards are collectives "
                           "and every rank must make the same number of them")
@@ -41,14 +39,10 @@ def _same_on_all_ranks(value: int, what: str) -> None:
 
 def _relative_error(quantized, reference) -> float | None:
     """||q - ref|| / ||ref|| over the last pipeline stage's logits, gathered to every rank."""
-    import torch.distributed as dist
-
     local = None
     if quantized is not None and reference is not None:
         local = float((quantized - reference).norm() / reference.norm().clamp_min(1e-12))
-    values = [None] * dist.get_world_size()
-    dist.all_gather_object(values, local)
-    found = [v for v in values if v is not None]
+    found = [v for v in all_gather(local) if v is not None]
     return max(found) if found else None
 
 
