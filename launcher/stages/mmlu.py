@@ -16,94 +16,14 @@ from __future__ import annotations
 import time
 from typing import Optional
 
-from launcher.schema import gate_dtype
 from launcher.contract import ExitCode, StageFailed, write_json_atomic
-from launcher.megatron.collectives import LONG_WAIT_S, all_gather, broadcast, on_rank0
+from launcher.megatron.collectives import LONG_WAIT_S, broadcast, on_rank0
 from launcher.mmlu import gate as gate_mod
-from launcher.mmlu.batching import BatchLimits, padding_efficiency, resolve_limits
-from launcher.mmlu.data import LETTERS
-from launcher.mmlu.paired import compare
-# the questions' preparation is library code (launcher/mmlu/prepared.py); its names stay importable here
-from launcher.mmlu.prepared import Prepared, load_tokenizer, pad_token_id, prepare  # noqa: F401
+from launcher.mmlu.batching import padding_efficiency
+from launcher.mmlu.prepared import Prepared, load_tokenizer, prepare
+from launcher.mmlu.results import Evaluation, build_results, decide
+from launcher.schema import gate_dtype
 from launcher.stages.context import StageContext
-
-
-def batch_limits(scfg, device: str, hf_path: str) -> BatchLimits:
-    """``stages.mmlu.batch_size``/``max_batch_tokens`` resolved for ``device`` (auto on CUDA reads
-    the device's memory and the model's dimensions from config.json)."""
-    from launcher.mmlu.batching import AUTO, activation_bytes_per_token
-
-    mem = per_token = None
-    moe = False
-    if scfg.batch_size == AUTO and device == "cuda":
-        import torch
-
-        from launcher.hf_config import read_hf_config
-
-        hf = read_hf_config(hf_path)
-        topk = int(hf.get("num_experts_per_tok") or 0)
-        moe = topk > 0
-        mem = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-        mem = min(all_gather(mem))   # one budget, one shard plan
-        per_token = activation_bytes_per_token(
-            hf["hidden_size"], hf.get("intermediate_size") or 4 * hf["hidden_size"], topk,
-            int(hf.get("moe_intermediate_size") or 0))
-    return resolve_limits(scfg.batch_size, scfg.max_batch_tokens, device, mem, per_token, moe)
-
-
-def build_results(prepared: Prepared, results: dict, scfg, decision: gate_mod.GateDecision,
-                  plan, baseline: Optional[dict] = None, timings: Optional[dict] = None) -> dict:
-    """The content of mmlu/results.json (pure)."""
-    qs = [p.question for p in prepared.prompts]
-    preds = [results[i][0] for i in range(len(qs))]
-    subjects = gate_mod.per_subject([q.subject for q in qs], [p == q.answer for p, q in zip(preds, qs)])
-    per_q = []
-    for i, q in enumerate(qs):
-        entry = {"index": q.index, "subject": q.subject, "answer": LETTERS[q.answer],
-                 "prediction": LETTERS[preds[i]], "correct": preds[i] == q.answer,
-                 "logits": [round(float(x), 6) for x in results[i][1]]}
-        if baseline is not None:
-            entry["baseline_prediction"] = LETTERS[baseline[i][0]]
-            entry["baseline_logits"] = [round(float(x), 6) for x in baseline[i][1]]
-        per_q.append(entry)
-    summary = plan.summary()
-    eff = padding_efficiency(prepared.batches)
-    eff_plan = padding_efficiency(prepared.batches, plan.shard_padded_tokens())
-    return {
-        "accuracy": decision.accuracy, "n": decision.n, "correct": decision.correct,
-        "interval": list(decision.interval), "interval_level": 0.95, "interval_method": "wilson",
-        "lower_bound": decision.lower_bound, "max_drop": decision.max_drop,
-        "baseline": {"mode": scfg.baseline, "accuracy": decision.baseline_accuracy,
-                     "drop": decision.drop,
-                     "paired": decision.paired.to_dict() if decision.paired is not None else None},
-        "mean_kl": decision.paired.mean_kl if decision.paired is not None else None,
-        "agreement": decision.agreement, "pass": decision.passed,
-        "failures": decision.failures, "warnings": decision.warnings,
-        "dataset": scfg.dataset, "dev_dataset": scfg.dev_dataset, "fraction": scfg.fraction,
-        "few_shots": scfg.few_shots, "add_bos": scfg.add_bos, "truncated_prompts": prepared.truncated,
-        "per_subject": subjects, "questions": per_q,
-        "shard_mode": plan.mode, "plan": summary,
-        "batches": {"count": len(prepared.batches), "batch_size": scfg.batch_size,
-                    "max_batch_tokens": scfg.max_batch_tokens,
-                    "resolved": prepared.limits.summary() if prepared.limits else None},
-        "padding_efficiency": eff, "padding_efficiency_with_plan": eff_plan,
-        "timings": timings or {},
-    }
-
-
-def decide(prepared: Prepared, results: dict, scfg, baseline: Optional[dict]) -> gate_mod.GateDecision:
-    qs = [p.question for p in prepared.prompts]
-    preds = [results[i][0] for i in range(len(qs))]
-    correct = sum(p == q.answer for p, q in zip(preds, qs))
-    base_acc, agree = None, None
-    if scfg.baseline == "recorded":
-        base_acc = float(scfg.baseline_accuracy)
-    elif scfg.baseline in gate_mod.PER_QUESTION_BASELINES and baseline is not None:
-        n = len(qs)
-        paired = compare([q.answer for q in qs], preds, [baseline[i][0] for i in range(n)],
-                         [results[i][1] for i in range(n)], [baseline[i][1] for i in range(n)])
-        return gate_mod.decide(correct, n, scfg.lower_bound, scfg.max_drop, paired=paired)
-    return gate_mod.decide(correct, len(qs), scfg.lower_bound, scfg.max_drop, base_acc, agree)
 
 
 def _baseline_lookup(ctx: StageContext, prepared: Prepared, dtype: str) -> dict:
@@ -145,8 +65,7 @@ def _baseline_from_cache(ctx: StageContext, cached: dict, evaluated: Optional[di
     found = cached["lookup"]
     if found.hit:
         return found.results
-    qs = [p.question for p in prepared.prompts]
-    acc = sum(evaluated[i][0] == q.answer for i, q in enumerate(qs)) / len(qs)
+    acc = Evaluation.of(evaluated).correct([p.question.answer for p in prepared.prompts]) / len(prepared.prompts)
     path = baseline_cache.store(found, evaluated, ctx.cfg.model.path, acc, ctx.dims.describe())
     ctx.log(f"baseline results cached at {path}")
     return evaluated
@@ -156,7 +75,7 @@ def run(ctx: StageContext) -> None:
     from launcher.megatron.checkpoint import load_checkpoint
     from launcher.megatron.hf_io import import_hf_weights
     from launcher.megatron.models import build_model, resolve_dtype
-    from launcher.mmlu.evaluate import evaluate_model, prepare_model_for_eval, release_model_after_eval
+    from launcher.mmlu.evaluate import batch_limits, evaluate_model, prepare_model_for_eval, release_model_after_eval
 
     scfg, cfg = ctx.stage_cfg, ctx.cfg
     gate_mod.check_gate_config(scfg.lower_bound, scfg.max_drop, scfg.baseline, scfg.baseline_accuracy)
