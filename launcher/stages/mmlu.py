@@ -24,6 +24,7 @@ from launcher.mmlu.prepared import Prepared, load_tokenizer, prepare
 from launcher.mmlu.results import Evaluation, build_results, decide
 from launcher.schema import gate_dtype
 from launcher.stages.context import StageContext
+from launcher.stages.timings import Timings
 
 
 def _baseline_lookup(ctx: StageContext, prepared: Prepared, dtype: str) -> dict:
@@ -71,21 +72,18 @@ def _baseline_from_cache(ctx: StageContext, cached: dict, evaluated: Optional[di
     return evaluated
 
 
-def run(ctx: StageContext) -> None:
-    from launcher.megatron.checkpoint import load_checkpoint
-    from launcher.megatron.hf_io import import_hf_weights
-    from launcher.megatron.models import build_model, resolve_dtype
-    from launcher.mmlu.evaluate import batch_limits, evaluate_model, prepare_model_for_eval, release_model_after_eval
-
-    scfg, cfg = ctx.stage_cfg, ctx.cfg
-    gate_mod.check_gate_config(scfg.lower_bound, scfg.max_drop, scfg.baseline, scfg.baseline_accuracy)
-    timings: dict[str, float] = {}
-    t0 = time.time()
+def _prepare(ctx: StageContext) -> Prepared:
+    """The questions, tokenized and batched for this device (every rank the same)."""
+    from launcher.mmlu.evaluate import batch_limits
     from launcher.paths import cache_dir
 
+    scfg, cfg = ctx.stage_cfg, ctx.cfg
     tokenizer = load_tokenizer(cfg.model.path, bool(cfg.model.trust_remote_code))
-    prepared = prepare(scfg, tokenizer, batch_limits(scfg, ctx.device, cfg.model.path), cache_dir())
-    timings["prepare_s"] = time.time() - t0
+    return prepare(scfg, tokenizer, batch_limits(scfg, ctx.device, cfg.model.path), cache_dir())
+
+
+def _log_prepared(ctx: StageContext, prepared: Prepared) -> None:
+    scfg = ctx.stage_cfg
     if prepared.token_cache.get("error"):
         ctx.warn(prepared.token_cache["error"])
     if prepared.truncated:
@@ -95,62 +93,85 @@ def run(ctx: StageContext) -> None:
             f"padding efficiency {padding_efficiency(prepared.batches):.3f}, shard_mode={scfg.shard_mode}, "
             f"token cache {prepared.token_cache.get('cache')}")
 
-    t = time.time()
-    dtype = gate_dtype(cfg)   # the one rule: the quantize stage's dtype (launcher.schema)
-    cached = _baseline_lookup(ctx, prepared, dtype) if scfg.baseline in gate_mod.PER_QUESTION_BASELINES else None
-    model = build_model(cfg.model.path, ctx.dims, ctx.device, dtype, scfg.moe_dispatcher,
-                        bool(cfg.model.trust_remote_code), eval_kernels=ctx.device == "cuda")
+
+def _evaluate(ctx: StageContext, prepared: Prepared, timings: Timings):
+    """Build the model, evaluate the baseline when it is evaluated here, load the quantized checkpoint
+    and evaluate it: (results and baseline on rank 0, the shard plan, the cache lookup or None)."""
+    from launcher.megatron.checkpoint import load_checkpoint
+    from launcher.megatron.hf_io import import_hf_weights
+    from launcher.megatron.models import build_model, resolve_dtype
+    from launcher.mmlu.evaluate import evaluate_model, prepare_model_for_eval, release_model_after_eval
+
+    scfg, cfg = ctx.stage_cfg, ctx.cfg
     quantized = bool(cfg.stages.quantize.enabled)
-    evaluate_base = scfg.baseline == "evaluate" and not cached["hit"]
-    if not quantized or evaluate_base:
-        import_hf_weights(model, cfg.model.path, dtype)
-    timings["build_s"] = time.time() - t
+    dtype = gate_dtype(cfg)   # the one rule: the quantize stage's dtype (launcher.schema)
+    with timings.measure("build_s"):
+        cached = _baseline_lookup(ctx, prepared, dtype) if scfg.baseline in gate_mod.PER_QUESTION_BASELINES else None
+        model = build_model(cfg.model.path, ctx.dims, ctx.device, dtype, scfg.moe_dispatcher,
+                            bool(cfg.model.trust_remote_code), eval_kernels=ctx.device == "cuda")
+        evaluate_base = scfg.baseline == "evaluate" and not cached["hit"]
+        if not quantized or evaluate_base:
+            import_hf_weights(model, cfg.model.path, dtype)
     common = dict(dims=ctx.dims, rank=ctx.rank, mode=scfg.shard_mode, dispatcher=scfg.moe_dispatcher,
                   timeout_s=float(scfg.collective_timeout_s),
                   allow_unsafe=bool(scfg.allow_unsafe_shard_mode), stage=ctx.name, log=ctx.log,
                   groups_cache={})
     baseline = None
     if evaluate_base and quantized:
-        t = time.time()
-        prepare_model_for_eval(model, ctx.log)
-        baseline, _, _ = evaluate_model(model, prepared, label="baseline", **common)
-        release_model_after_eval(model)
-        timings["baseline_eval_s"] = time.time() - t
+        with timings.measure("baseline_eval_s"):
+            prepare_model_for_eval(model, ctx.log)
+            baseline, _, _ = evaluate_model(model, prepared, label="baseline", **common)
+            release_model_after_eval(model)
     if quantized:
-        t = time.time()
-        load_checkpoint(model, ctx.layout.quantize_checkpoint)
-        timings["load_checkpoint_s"] = time.time() - t
+        with timings.measure("load_checkpoint_s"):
+            load_checkpoint(model, ctx.layout.quantize_checkpoint)
     # the folded weights are the exported ones (launcher.megatron.fold), in the export's dtype
     export = cfg.stages.get("export")   # a gate-only config (tests) may have no export stage
     export_dtype = resolve_dtype(export.dtype, ctx.device) if export is not None and export.enabled else None
     timings["fold_and_group_s"] = prepare_model_for_eval(model, ctx.log, export_dtype)["seconds"]
-    t = time.time()
-    results, plan, local = evaluate_model(model, prepared, label="quantized" if quantized else "", **common)
-    timings["eval_s"] = time.time() - t
+    with timings.measure("eval_s"):
+        results, plan, local = evaluate_model(model, prepared, label="quantized" if quantized else "", **common)
     timings["forward_calls_this_rank"] = local.forward_calls
     if evaluate_base and not quantized:
         ctx.warn("baseline=evaluate with quantize disabled: the evaluated model is the baseline")
         baseline = results
     if cached is not None and ctx.rank == 0:
         baseline = _baseline_from_cache(ctx, cached, baseline, prepared)
+    return results, baseline, plan, cached
 
+
+def _decide_and_write(ctx: StageContext, prepared: Prepared, results, baseline, plan, cached,
+                      timings: Timings) -> dict:
+    """Rank 0: the gate's decision, written to mmlu/results.json and logged; the verdict to broadcast."""
+    scfg = ctx.stage_cfg
+    decision = decide(prepared, results, scfg, baseline)
+    timings.total("total_s")
+    doc = build_results(prepared, results, scfg, decision, plan, baseline, timings)
+    if cached is not None:
+        doc["baseline"].update(source=cached["source"], cache=cached["path"], cache_key=cached["key"])
+    write_json_atomic(ctx.layout.mmlu_results, doc)
+    ctx.log("per-subject accuracy:\n" + gate_mod.format_table(doc["per_subject"]))
+    lo, hi = decision.interval
+    ctx.log(f"accuracy {decision.accuracy:.4f} ({decision.correct}/{decision.n}), 95% interval "
+            f"[{lo:.4f}, {hi:.4f}], lower_bound {scfg.lower_bound}, baseline "
+            f"{decision.baseline_accuracy}, agreement {decision.agreement}: "
+            f"{'PASS' if decision.passed else 'FAIL'}")
+    for w in decision.warnings:
+        ctx.warn(w)
+    return {"pass": decision.passed, "failures": decision.failures}
+
+
+def run(ctx: StageContext) -> None:
+    scfg = ctx.stage_cfg
+    gate_mod.check_gate_config(scfg.lower_bound, scfg.max_drop, scfg.baseline, scfg.baseline_accuracy)
+    timings = Timings(digits=None)
+    with timings.measure("prepare_s"):
+        prepared = _prepare(ctx)
+    _log_prepared(ctx, prepared)
+    results, baseline, plan, cached = _evaluate(ctx, prepared, timings)
     verdict = None
     if ctx.rank == 0:
-        decision = decide(prepared, results, scfg, baseline)
-        timings["total_s"] = time.time() - t0
-        doc = build_results(prepared, results, scfg, decision, plan, baseline, timings)
-        if cached is not None:
-            doc["baseline"].update(source=cached["source"], cache=cached["path"], cache_key=cached["key"])
-        write_json_atomic(ctx.layout.mmlu_results, doc)
-        ctx.log("per-subject accuracy:\n" + gate_mod.format_table(doc["per_subject"]))
-        lo, hi = decision.interval
-        ctx.log(f"accuracy {decision.accuracy:.4f} ({decision.correct}/{decision.n}), 95% interval "
-                f"[{lo:.4f}, {hi:.4f}], lower_bound {scfg.lower_bound}, baseline "
-                f"{decision.baseline_accuracy}, agreement {decision.agreement}: "
-                f"{'PASS' if decision.passed else 'FAIL'}")
-        for w in decision.warnings:
-            ctx.warn(w)
-        verdict = {"pass": decision.passed, "failures": decision.failures}
+        verdict = _decide_and_write(ctx, prepared, results, baseline, plan, cached, timings)
     verdict = broadcast(verdict)
     if not verdict["pass"]:
         raise StageFailed("MMLU gate failed: " + "; ".join(verdict["failures"]),
