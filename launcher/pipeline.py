@@ -191,7 +191,8 @@ def drive(executor: Executor, run: RunDirectory, plans: list[StagePlan], preflig
                 for line in result.errors:
                     print(f"[launch] {plan.name}: {line}", flush=True)
             code = result.exit_code or ExitCode.FAILED
-            # the local executor has always reported the last failure, Slurm the first
+            # the exit code is the first failure's where the executor chains failures (Slurm cancels
+            # what follows it, so the first one is the cause); otherwise the last failed stage's
             final_code = (final_code or code) if executor.chains_failures else code
             if not plan.allow_to_fail and not executor.chains_failures:
                 _mark_not_run(run, [p.name for p in plans[done:]], f"{plan.name} failed")
