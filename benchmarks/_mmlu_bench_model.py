@@ -3,7 +3,7 @@
 ``bench_model`` builds two copies of one random model with the same weights: the gate's
 (``build_model(..., eval_kernels=True)``) and the reference kernels' (the local spec, as the
 quantize stage builds it and as ``megatron_mmlu`` users run it).  Then, each run timed between
-``sync()`` calls after warm-up, on the questions ``launcher.stages.mmlu.prepare`` selected:
+``sync()`` calls after warm-up, on the questions ``launcher.mmlu.prepared.prepare`` selected:
 
 * ``old_default``   the gate before issue 16: 8 rows, no budget, reference kernels, expert loop;
 * ``default``       the product default: ``batch_size: auto`` (``batch_limits``), eval kernels,
@@ -164,7 +164,8 @@ class ModelBench:
         from launcher.schema import MmluStage
         from launcher.mmlu.batching import AUTO_MIN_FILL, BatchLimits
         from launcher.mmlu.evaluate import prepare_model_for_eval, release_model_after_eval
-        from launcher.stages.mmlu import batch_limits, prepare
+        from launcher.mmlu.evaluate import batch_limits
+        from launcher.mmlu.prepared import prepare
 
         args, name = self.args, self.name
         fraction = args.moe_fraction if name == "moe" else args.fraction

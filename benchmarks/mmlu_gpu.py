@@ -203,7 +203,7 @@ def main(argv=None) -> int:
     import torch
 
     from launcher.megatron.dist import init_distributed, shutdown
-    from launcher.stages.mmlu import load_tokenizer
+    from launcher.mmlu.prepared import load_tokenizer
     from launcher.topology import ParallelDims
 
     single_rank_env()

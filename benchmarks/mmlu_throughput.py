@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/mmlu_throughput.py --out .bench/results/mmlu_throughput.json
 
-What runs: the product path (``launcher.stages.mmlu.prepare`` -> ``launcher.mmlu.evaluate.
+What runs: the product path (``launcher.mmlu.prepared.prepare`` -> ``launcher.mmlu.evaluate.
 evaluate_model``: shard plan, desync guard, Megatron-Core forward, gather on rank 0) on the tiny
 Qwen3-MoE (``launcher.tiny.ensure_tiny_model()``: its hf/ and mmlu/test.jsonl) - or, with
 ``--model random`` (or when the tiny build is absent and ``--model auto``), a random tiny
@@ -58,7 +58,7 @@ def worker(hf_path: str, dataset: str, fraction: float, batch_size: int, max_bat
     from launcher.megatron.hf_io import import_hf_weights
     from launcher.megatron.models import build_model
     from launcher.mmlu.evaluate import evaluate_model
-    from launcher.stages.mmlu import load_tokenizer, prepare
+    from launcher.mmlu.prepared import load_tokenizer, prepare
     from launcher.topology import ParallelDims
 
     torch.set_num_threads(1)
@@ -123,7 +123,7 @@ def resolve_model(kind: str, work: str, fraction: float):
 def padding_table(hf: str, dataset: str, fraction: float, batch_size: int, budget, ranks: int) -> dict:
     from launcher.mmlu.batching import make_batches, padding_efficiency
     from launcher.mmlu.sharding import plan_shards
-    from launcher.stages.mmlu import load_tokenizer, prepare
+    from launcher.mmlu.prepared import load_tokenizer, prepare
     from launcher.topology import ParallelDims
 
     prepared = prepare(mmlu_cfg(dataset, fraction, batch_size, None), load_tokenizer(hf))

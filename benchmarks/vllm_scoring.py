@@ -59,7 +59,7 @@ def main() -> int:
     from omegaconf import OmegaConf
 
     from launcher.schema import PipelineConfig
-    from launcher.stages.mmlu import load_tokenizer
+    from launcher.mmlu.prepared import load_tokenizer
     from launcher.vllm.gate_questions import load_gate_set
     from launcher.vllm.probe import probe_platform, vllm_env, vllm_python
     from launcher.vllm.server import OFFLINE_SCRIPT

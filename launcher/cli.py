@@ -160,7 +160,7 @@ class RunVerb:
             return 0
         print(OmegaConf.to_yaml(masked_config(cfg)))
         print(f"# plan: job {cfg.job_name}, executor {cfg.executor.kind}, recipe {cfg.recipe.name}")
-        from launcher.config.validate import stage_dims
+        from launcher.topology import ParallelDims
 
         run_dir = os.path.join(os.path.abspath(cfg.runs_root), cfg.job_name, "<run_id>")
         plans = {p.name: p for p in build_plans(cfg, run_dir)}
@@ -173,7 +173,7 @@ class RunVerb:
                 print(f"\n## {st['name']}: 1 rank; vLLM tensor_parallel_size {st['tensor_parallel_size']}")
                 print("   command: " + " ".join(self._command(cfg, plans[st["name"]], run_dir)))
                 continue
-            dims = stage_dims(cfg, st["name"])
+            dims = ParallelDims.from_stage(cfg, st["name"])
             print(f"\n## {st['name']}: world {dims.world_size} = tp {dims.tp} x cp {dims.cp} x dp {dims.dp} x pp {dims.pp}"
                   f"; experts: etp {dims.etp} x ep {dims.ep} x edp {dims.edp} x pp {dims.pp}")
             if "shard_mode" in st:

@@ -24,8 +24,6 @@ from typing import Any
 BLOCK_TYPE_SYMBOLS = {"mamba": "M", "linear_attention": "M", "moe": "E", "attention": "*",
                       "full_attention": "*", "mlp": "-"}
 PATTERN_SYMBOLS = "ME*-"
-# architectures built as Megatron's hybrid (Mamba + attention + MoE) model
-HYBRID_ARCHITECTURES = ("NemotronHForCausalLM",)
 
 
 def read_hf_config_if_present(path: str) -> dict[str, Any] | None:

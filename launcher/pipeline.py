@@ -17,19 +17,20 @@ from typing import Optional
 
 from omegaconf import DictConfig
 
-from launcher.config.validate import enabled_stages, stage_dims
 from launcher.contract import (
     EXIT_REASONS, STAGE_ORDER, ExitCode, JobState, RunLayout, StageName, StageStatus, split_secrets)
 from launcher.executors.base import Executor, StagePlan
 from launcher.rundir import RunDirectory
+from launcher.schema import enabled_stages
 from launcher.stages import registry
+from launcher.topology import ParallelDims
 
 QUIET_WARNINGS = "ignore::FutureWarning,ignore::DeprecationWarning,ignore::UserWarning"
 
 
 def stage_plan(cfg: DictConfig, stage: str, run_dir: str, python: Optional[str] = None,
                preflight_only: bool = False) -> StagePlan:
-    dims = stage_dims(cfg, stage)
+    dims = ParallelDims.from_stage(cfg, stage)
     argv = [python or sys.executable, "-m", "launcher.worker", stage, run_dir]
     if preflight_only:
         argv.append("--preflight-only")
@@ -190,7 +191,8 @@ def drive(executor: Executor, run: RunDirectory, plans: list[StagePlan], preflig
                 for line in result.errors:
                     print(f"[launch] {plan.name}: {line}", flush=True)
             code = result.exit_code or ExitCode.FAILED
-            # the local executor has always reported the last failure, Slurm the first
+            # the exit code is the first failure's where the executor chains failures (Slurm cancels
+            # what follows it, so the first one is the cause); otherwise the last failed stage's
             final_code = (final_code or code) if executor.chains_failures else code
             if not plan.allow_to_fail and not executor.chains_failures:
                 _mark_not_run(run, [p.name for p in plans[done:]], f"{plan.name} failed")
@@ -234,7 +236,7 @@ def _print_summary(run: RunDirectory) -> None:
 
 def _dims_if_valid(cfg: DictConfig, stage: str):
     try:
-        return stage_dims(cfg, stage)
+        return ParallelDims.from_stage(cfg, stage)
     except ValueError:
         return None
 
@@ -252,7 +254,7 @@ def describe_plan(cfg: DictConfig, run_dir: str = "<run_dir>") -> dict:
                 entry["disabled_reason"] = st.disabled_reason
             stages.append(entry)
             continue
-        dims = stage_dims(cfg, s) if st.enabled else _dims_if_valid(cfg, s)   # a disabled stage's may be unset
+        dims = ParallelDims.from_stage(cfg, s) if st.enabled else _dims_if_valid(cfg, s)   # a disabled stage's may be unset
         entry = {"name": s, "enabled": bool(st.enabled), **(dims.describe() if dims else {})}
         if s == StageName.MMLU and dims:
             entry["shard_mode"] = st.shard_mode

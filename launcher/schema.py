@@ -13,7 +13,7 @@ from typing import Any, Optional, Union
 
 from omegaconf import MISSING
 
-from launcher.contract import STAGE_ORDER  # noqa: F401  (the stage names are the contract's)
+from launcher.contract import STAGE_ORDER  # the stage names are the contract's
 from launcher.contract import (
     BaselineMode, Device, Dispatcher, Dtype, OnUnsupported, ShardMode, VllmMode, VllmScoring, values)
 from launcher.formats import FormatName
@@ -37,7 +37,7 @@ class ModelCard:
     """A checkpoint and the dimensions parallelism must divide."""
 
     name: str = text()
-    architecture: str = owned("launcher.config.validate (SUPPORTED_ARCHITECTURES)")  # HF `architectures[0]`
+    architecture: str = owned("launcher.architectures (ARCHITECTURES)")  # HF `architectures[0]`
     path: str = path(kind="dir", hub_ok=True)   # local HF checkpoint directory (or hub id when online)
     from_checkpoint: bool = False      # fill the dimensions below from path/config.json
     num_layers: int = ranged(lo=1)
@@ -208,6 +208,11 @@ class Stages:
     mmlu: MmluStage = field(default_factory=MmluStage)
     export: ExportStage = field(default_factory=ExportStage)
     vllm_smoke: VllmSmokeStage = field(default_factory=VllmSmokeStage)
+
+
+def enabled_stages(cfg) -> list[str]:
+    """The names of a composed config's enabled stages, in pipeline order."""
+    return [s for s in STAGE_ORDER if cfg.stages[s].enabled]
 
 
 def gate_dtype(cfg) -> Dtype:

@@ -19,13 +19,14 @@ from dataclasses import dataclass, field
 from typing import Optional
 from xml.etree import ElementTree as ET
 
+from launcher.architectures import ARCHITECTURES
 from launcher.config.compose import ConfigError, compose_example
-from launcher.config.validate import enabled_stages, stage_dims, validate
+from launcher.config.validate import validate
 from launcher.contract import RunLayout, StageName, UserError
 from launcher.hf_config import read_hf_config_if_present
 from launcher.rundir import read_json
-
-GPU_ONLY_ARCHITECTURES = {"NemotronHForCausalLM": "needs Mamba kernels (mamba_ssm, CUDA)"}
+from launcher.schema import enabled_stages
+from launcher.topology import ParallelDims
 
 
 @dataclass
@@ -54,10 +55,11 @@ def why_not_runnable(cfg, gpus: int) -> Optional[str]:
     """None when this machine can run the example, else the reason."""
     if read_hf_config_if_present(cfg.model.path) is None:
         return f"checkpoint not on this machine ({cfg.model.path})"
-    if gpus == 0 and cfg.model.architecture in GPU_ONLY_ARCHITECTURES:
-        return f"{cfg.model.architecture} {GPU_ONLY_ARCHITECTURES[cfg.model.architecture]}; this machine has no GPU"
+    arch = ARCHITECTURES.get(cfg.model.architecture)
+    if gpus == 0 and arch is not None and arch.gpu_only:
+        return f"{arch.name} needs a GPU ({arch.gpu_only}); this machine has no GPU"
     if gpus and cfg.executor.device != "cpu":
-        need = max(stage_dims(cfg, s).world_size for s in enabled_stages(cfg))
+        need = max(ParallelDims.from_stage(cfg, s).world_size for s in enabled_stages(cfg))
         if need > gpus:
             return f"needs {need} GPUs, this machine has {gpus}"
     try:

@@ -91,6 +91,17 @@ class ParallelDims:
                 f"world_size {self.world_size} is not divisible by etp({self.etp}) * ep({self.ep}) * "
                 f"pp({self.pp}) = {expert}; valid world sizes are multiples of {expert}")
 
+    @classmethod
+    def from_stage(cls, cfg, stage: str) -> "ParallelDims":
+        """The degrees of ``cfg.stages[stage].parallel`` (a composed pipeline config), with the world
+        size defaulted to the smallest the degrees divide; ValueError when they do not fit together.
+        vllm_smoke is one launcher rank (vLLM starts its own tensor-parallel workers)."""
+        if stage == "vllm_smoke":
+            return cls(world_size=1)
+        p = cfg.stages[stage].parallel
+        world = p.world_size or minimal_world_size(p.tp, p.pp, p.cp, p.ep, p.etp)
+        return cls(world_size=world, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, etp=p.etp)
+
     @property
     def dp(self) -> int:
         return self.world_size // (self.tp * self.cp * self.pp)

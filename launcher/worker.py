@@ -65,7 +65,7 @@ def main(argv: list[str]) -> int:
         os.environ.setdefault("MASTER_PORT", "29500")
 
     from launcher.config.compose import load_run_config
-    from launcher.config.validate import stage_dims
+    from launcher.topology import ParallelDims
     from launcher.stages import registry
     from launcher.stages.context import StageContext
 
@@ -73,7 +73,7 @@ def main(argv: list[str]) -> int:
 
     share_kernel_caches(cache_dir())   # before torch: triton and inductor read these at import
     cfg = load_run_config(RunLayout(run_dir).config_yaml)
-    dims = stage_dims(cfg, stage)
+    dims = ParallelDims.from_stage(cfg, stage)
     if world != dims.world_size:
         print(f"[{stage} r{rank}] started with WORLD_SIZE={world} but the stage's plan (stages.{stage}) needs "
               f"{dims.world_size} ranks", file=sys.stderr, flush=True)

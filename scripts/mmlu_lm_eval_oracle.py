@@ -12,7 +12,7 @@ question of the ``--five-shot-subjects`` subjects whose 5-shot prompt is shortes
 lm-eval side: its own ``mmlu`` task definition (the installed ``tasks/mmlu/default`` YAMLs:
 description, doc_to_text, choices, ``first_n`` few-shot sampler), pointed at local jsonl files;
 HF backend, float32, CPU, no hub.  Per question it gives the log-likelihood of " A" .. " D".
-Our side: ``launcher.stages.mmlu.prepare`` + ``launcher.mmlu.evaluate.evaluate_model`` (the
+Our side: ``launcher.mmlu.prepared.prepare`` + ``launcher.mmlu.evaluate.evaluate_model`` (the
 gate's code) on the Megatron model at world size 1, giving the four choice logits.
 Compared per question: the prediction, and the per-choice scores centered on their mean
 (log-likelihoods and logits differ by one log-sum-exp per question) within ``--tolerance``.
@@ -129,7 +129,7 @@ def run_ours(model_dir: str, test_file: str, dev_file: str, shots: int) -> list[
     from launcher.megatron.hf_io import import_hf_weights
     from launcher.megatron.models import build_model
     from launcher.mmlu.evaluate import evaluate_model
-    from launcher.stages.mmlu import load_tokenizer, prepare
+    from launcher.mmlu.prepared import load_tokenizer, prepare
     from launcher.topology import ParallelDims
 
     scfg = OmegaConf.merge(OmegaConf.structured(MmluStage), {

@@ -1,5 +1,5 @@
 """Synthetic run directories for the `launch report` tests, written by the product's own writers:
-RunDirectory (config.yaml, metadata.json), launcher.stages.mmlu.decide + build_results
+RunDirectory (config.yaml, metadata.json), launcher.mmlu.results.decide + build_results
 (mmlu/results.json, with a paired baseline), the export stage's verify.json fields, and
 vllm_smoke's SmokeRecord (responses.json) or skip.json.  No torch, no pipeline run.
 
@@ -34,8 +34,8 @@ def _logits(pred: int, sharp: float) -> list[float]:
 
 def gate_results(n: int, baseline_correct: int, n10: int, n01: int, lower_bound: Optional[float],
                  max_drop: Optional[float], sharp: float = 2.0) -> dict:
-    """mmlu/results.json as the gate writes it (launcher.stages.mmlu.build_results)."""
-    from launcher.stages import mmlu as mmlu_stage
+    """mmlu/results.json as the gate writes it (launcher.mmlu.results.build_results)."""
+    from launcher.mmlu.results import build_results, decide
 
     assert 0 <= n10 <= baseline_correct and 0 <= n01 <= n - baseline_correct
     base_pred = [0 if i < baseline_correct else 1 for i in range(n)]
@@ -54,9 +54,9 @@ def gate_results(n: int, baseline_correct: int, n10: int, n01: int, lower_bound:
                            max_drop=max_drop, baseline_accuracy=None, dataset="synthetic/mmlu", dev_dataset=None,
                            fraction=1.0, few_shots=0, add_bos=False, batch_size=16, max_batch_tokens=4096)
     plan = SimpleNamespace(mode="balanced", summary=lambda: {"steps": 5}, shard_padded_tokens=lambda: None)
-    decision = mmlu_stage.decide(prepared, results, scfg, baseline if max_drop is not None else None)
-    return mmlu_stage.build_results(prepared, results, scfg, decision, plan,
-                                    baseline if max_drop is not None else None, {"eval_s": 1.0})
+    decision = decide(prepared, results, scfg, baseline if max_drop is not None else None)
+    return build_results(prepared, results, scfg, decision, plan,
+                         baseline if max_drop is not None else None, {"eval_s": 1.0})
 
 
 @functools.lru_cache(maxsize=None)

@@ -10,8 +10,11 @@ import sys
 
 import pytest
 
+from launcher.architectures import SUPPORTED as SUPPORTED_ARCHITECTURES
 from launcher.config.compose import ConfigError, compose_example
-from launcher.config.validate import SUPPORTED_ARCHITECTURES, enabled_stages, stage_dims, validate
+from launcher.config.validate import validate
+from launcher.schema import enabled_stages
+from launcher.topology import ParallelDims
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = sorted(glob.glob(os.path.join(ROOT, "examples", "**", "*.yaml"), recursive=True))
@@ -42,7 +45,7 @@ def test_example_composes_and_validates(path):
     for stage in enabled_stages(cfg):
         if stage == "vllm_smoke":
             continue
-        d = stage_dims(cfg, stage)
+        d = ParallelDims.from_stage(cfg, stage)
         assert d.world_size % (d.tp * d.cp * d.pp) == 0 and d.world_size % (d.etp * d.ep * d.pp) == 0
         assert card.num_layers % d.pp == 0
         assert card.num_attention_heads % d.tp == 0 and card.num_query_groups % d.tp == 0
@@ -58,7 +61,7 @@ def test_example_composes_and_validates(path):
 
 def test_nano_plan():
     cfg = compose_example(NANO, [])
-    q, m, e = (stage_dims(cfg, s) for s in ("quantize", "mmlu", "export"))
+    q, m, e = (ParallelDims.from_stage(cfg, s) for s in ("quantize", "mmlu", "export"))
     assert (q.ep, q.edp, q.world_size, q.tp, q.pp, q.etp) == (4, 1, 4, 1, 1, 1)
     assert (m.ep, m.edp) == (4, 1)
     assert (e.pp, e.ep, e.tp) == (4, 1, 1)

@@ -21,12 +21,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _stage_ctx(name: str, cfg, run_dir: str, device: str = "cpu"):
-    from launcher.config.validate import stage_dims
+    from launcher.topology import ParallelDims
     from launcher.stages.context import StageContext
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     return StageContext(name=name, cfg=cfg, run_dir=run_dir, rank=rank, world_size=world,
-                        local_rank=rank, dims=stage_dims(cfg, name), device=device)
+                        local_rank=rank, dims=ParallelDims.from_stage(cfg, name), device=device)
 
 
 def _attempt(run, *args) -> str:

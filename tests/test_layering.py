@@ -28,7 +28,7 @@ from typing import Iterable, Mapping
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("vocabulary", ("contract", "topology", "formats", "paths", "schema", "schema_rules", "hf_config",
+    ("vocabulary", ("contract", "topology", "formats", "architectures", "paths", "schema", "schema_rules", "hf_config",
                     "slurm_env")),
     ("libraries", ("executors", "export", "megatron", "mmlu", "quant", "vllm", "report", "rundir", "hold",
                    "tiny", "models")),

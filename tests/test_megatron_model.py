@@ -83,7 +83,8 @@ def test_megatron_logits_match_transformers_ep4_and_pp2_ep2(random_tiny_moe):
 
 
 def test_unknown_architecture_lists_supported(tmp_path):
-    from launcher.megatron.models import SUPPORTED_ARCHITECTURES, check_buildable
+    from launcher.architectures import SUPPORTED as SUPPORTED_ARCHITECTURES
+    from launcher.megatron.models import check_buildable
 
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["MixtralForCausalLM"]}))
     with pytest.raises(ValueError) as e:

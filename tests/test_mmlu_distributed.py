@@ -55,7 +55,7 @@ def eval_worker(hf_path: str, data_dir: str, cases: list[dict]) -> dict:
     from launcher.megatron.models import build_model
     from launcher.mmlu.evaluate import evaluate_model
     from launcher.mmlu.guard import DesyncError
-    from launcher.stages.mmlu import load_tokenizer, prepare
+    from launcher.mmlu.prepared import load_tokenizer, prepare
     from launcher.topology import ParallelDims
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -132,7 +132,7 @@ def quantize_fp8(hf_path: str, data_dir: str, dims, path: str) -> None:
     from launcher.megatron.forward import forward_logits
     from launcher.megatron.hf_io import import_hf_weights
     from launcher.megatron.models import build_model, unwrap_model
-    from launcher.stages.mmlu import load_tokenizer, prepare
+    from launcher.mmlu.prepared import load_tokenizer, prepare
 
     prepared = prepare(mmlu_cfg(data_dir), load_tokenizer(hf_path))
     model = build_model(hf_path, dims, "cpu", "float32", "alltoall")
@@ -200,7 +200,7 @@ def reference(hf: str, data: str, **over):
     import torch
     import transformers
 
-    from launcher.stages.mmlu import load_tokenizer, prepare
+    from launcher.mmlu.prepared import load_tokenizer, prepare
 
     prepared = prepare(mmlu_cfg(data, **over), load_tokenizer(hf))
     model = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()

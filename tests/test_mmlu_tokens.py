@@ -1,7 +1,7 @@
 """``batch_size: auto`` (token budget from the device, fill cut) and the token-id cache.
 
 Pure Python except the tokenizer: the tiny model's BPE tokenizer (transformers, fast) on the
-tiny model's MMLU files, zero-shot and 2-shot, through ``launcher.stages.mmlu.prepare``.
+tiny model's MMLU files, zero-shot and 2-shot, through ``launcher.mmlu.prepared.prepare``.
 """
 from __future__ import annotations
 
@@ -82,7 +82,7 @@ def test_auto_fill_minimizes_padding_plus_forward_overhead():
 
 @pytest.fixture(scope="module")
 def tiny_tok(tiny_dir):
-    from launcher.stages.mmlu import load_tokenizer
+    from launcher.mmlu.prepared import load_tokenizer
 
     return load_tokenizer(os.path.join(tiny_dir, "hf"))
 
@@ -99,7 +99,7 @@ def _cfg(dataset, **over):
 def test_batched_encoding_and_cache_give_todays_ids(tiny_dir, tiny_tok, tmp_path, few_shots):
     from launcher.mmlu.data import load_dev, load_mmlu
     from launcher.mmlu.prompts import build_prompts, select_fraction
-    from launcher.stages.mmlu import prepare
+    from launcher.mmlu.prepared import prepare
 
     assert tiny_tok.is_fast
     data = os.path.join(tiny_dir, "mmlu", "data")                       # the CSV dir: test + dev
@@ -130,7 +130,7 @@ def test_batched_encoding_and_cache_give_todays_ids(tiny_dir, tiny_tok, tmp_path
 
 def test_cache_key_follows_dataset_tokenizer_and_shots(tiny_dir, tiny_tok, tmp_path):
     from launcher.mmlu.token_cache import cache_key
-    from launcher.stages.mmlu import load_tokenizer, prepare
+    from launcher.mmlu.prepared import load_tokenizer, prepare
 
     data = str(tmp_path / "data")
     shutil.copytree(os.path.join(tiny_dir, "mmlu", "data"), data)

@@ -14,7 +14,8 @@ from omegaconf import OmegaConf
 from launcher.schema import SlurmExecutorConfig
 from launcher.executors.base import StagePlan
 from launcher.slurm_env import expand_hostlist, rendezvous_defaults, tasks_on_node
-from launcher.executors.slurm_script import ScriptError, dependency_spec, render_sbatch, split_secret_env
+from launcher.contract import split_secrets
+from launcher.executors.slurm_script import ScriptError, dependency_spec, render_sbatch
 from launcher.executors.slurm_state import (
     failure_lines_of_log,
     job_info,
@@ -81,7 +82,7 @@ def test_secrets_not_written():
     plan, cfg = CASES["full_2nodes_container"]
     text = render_sbatch(plan, cfg, RUN_DIR)
     assert "hf_do_not_write" not in text and "WANDB_API_KEY=" not in text
-    public, secret = split_secret_env({"HF_TOKEN": "a", "HF_HOME": "b", "AWS_SECRET_ACCESS_KEY": "c"})
+    public, secret = split_secrets({"HF_TOKEN": "a", "HF_HOME": "b", "AWS_SECRET_ACCESS_KEY": "c"})
     assert public == {"HF_HOME": "b"} and set(secret) == {"HF_TOKEN", "AWS_SECRET_ACCESS_KEY"}
 
 

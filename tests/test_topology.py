@@ -62,3 +62,22 @@ def test_minimal_world_size():
     assert minimal_world_size(tp=1, pp=1, cp=1, ep=4, etp=1) == 4
     assert minimal_world_size(tp=2, pp=2, cp=1, ep=4, etp=1) == 8
     assert minimal_world_size(tp=1, pp=4, cp=1, ep=1, etp=1) == 4
+
+
+def test_from_stage_reads_the_stage_degrees_and_defaults_the_world():
+    from omegaconf import OmegaConf
+
+    from launcher.schema import enabled_stages
+
+    par = dict(tp=1, pp=2, cp=1, ep=4, etp=1)
+    cfg = OmegaConf.create({"stages": {
+        "quantize": {"enabled": True, "parallel": {**par, "world_size": None}},
+        "mmlu": {"enabled": False, "parallel": {**par, "world_size": 16}},
+        "export": {"enabled": True, "parallel": {**par, "ep": 3, "world_size": 8}},
+        "vllm_smoke": {"enabled": True}}})
+    assert ParallelDims.from_stage(cfg, "quantize") == ParallelDims(world_size=8, pp=2, ep=4)
+    assert ParallelDims.from_stage(cfg, "mmlu").edp == 2
+    assert ParallelDims.from_stage(cfg, "vllm_smoke") == ParallelDims(world_size=1)
+    with pytest.raises(ValueError, match="not divisible by etp"):
+        ParallelDims.from_stage(cfg, "export")
+    assert enabled_stages(cfg) == ["quantize", "export", "vllm_smoke"]

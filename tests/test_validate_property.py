@@ -31,8 +31,9 @@ from omegaconf import OmegaConf
 from conftest import ROOT
 from launcher.config.compose import ConfigError, compose_example
 from launcher.paths import RECIPES_DIR, recipe_names
-from launcher.schema import RecipeConfig
-from launcher.config.validate import enabled_stages, stage_dims, validate
+from launcher.config.validate import validate
+from launcher.schema import RecipeConfig, enabled_stages
+from launcher.topology import ParallelDims
 
 # 150 per example (1050 cases; 38 s measured on the 2-core dev machine at load average 7) in `make test`;
 # PTQ_PROPERTY_CASES=500 (3500 cases, 106 s at the same load) for a deeper search
@@ -157,7 +158,7 @@ def later_problems(cfg) -> list[str]:
     dims = {}
     for s in stages:
         if s != "vllm_smoke":
-            check(f"stages.{s} ParallelDims", lambda s=s: dims.setdefault(s, stage_dims(cfg, s)))
+            check(f"stages.{s} ParallelDims", lambda s=s: dims.setdefault(s, ParallelDims.from_stage(cfg, s)))
     if "quantize" in stages:
         check("quantize validate_recipe", validate_recipe, cfg.recipe)
         known, algorithm = declared_algorithm(cfg.recipe)   # the stage resolves the same config with torch

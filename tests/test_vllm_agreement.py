@@ -115,7 +115,7 @@ def _results(tmp_path, prepared, scfg):
 
 def test_gate_set_is_the_gates_prompts_and_choice_ids(tiny_dir, tmp_path):
     from launcher.mmlu.prompts import choice_token_ids
-    from launcher.stages.mmlu import load_tokenizer, prepare
+    from launcher.mmlu.prepared import load_tokenizer, prepare
     from launcher.vllm.gate_questions import GateMismatch, load_gate_set
 
     tok = load_tokenizer(os.path.join(tiny_dir, "hf"))
@@ -176,7 +176,7 @@ def test_judge_and_verdict():
 
 
 def test_render_applies_the_chat_template_when_there_is_one(tiny_dir):
-    from launcher.stages.mmlu import load_tokenizer
+    from launcher.mmlu.prepared import load_tokenizer
 
     tok = load_tokenizer(os.path.join(tiny_dir, "hf"))
     check = gen.GenerationCheck("p", "The capital of France is", contains="Paris")

@@ -78,7 +78,7 @@ def test_smollm2_export_served_by_vllm_agrees_with_the_gate(smollm2_run):
     assert ch["median_score_diff"] < 0.3          # fp32 gate vs bf16 vLLM (measured median ~0.1)
     # the gate's tokenization: no BOS (SmolLM2's tokenizer adds none; add_bos=null), " A".." D"
     from launcher.mmlu.prompts import choice_token_ids
-    from launcher.stages.mmlu import load_tokenizer
+    from launcher.mmlu.prepared import load_tokenizer
     assert ch["source"]["add_bos"] is None
     assert ch["source"]["choice_token_ids"] == choice_token_ids(load_tokenizer(str(run_dir / "export" / "hf")))
 

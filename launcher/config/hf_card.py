@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from launcher.hf_config import HYBRID_ARCHITECTURES, config_json_problems, nemotron_h_pattern
+from launcher.architectures import is_hybrid
+from launcher.hf_config import config_json_problems, nemotron_h_pattern
 
 # card key -> config.json keys tried in order (architectures name these differently)
 _CARD_KEYS: dict[str, tuple[str, ...]] = {
@@ -39,7 +40,7 @@ def card_from_hf_config(hf: dict[str, Any]) -> dict[str, Any]:
             if hf.get(k) is not None:
                 out[card_key] = hf[k]
                 break
-    if out["architecture"] in HYBRID_ARCHITECTURES:
+    if is_hybrid(out["architecture"]):
         pattern = nemotron_h_pattern(hf)
         out["hybrid_pattern"] = pattern
         out["num_layers"] = len(pattern)

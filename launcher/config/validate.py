@@ -18,31 +18,17 @@ from typing import Any
 from omegaconf import DictConfig
 
 from launcher import schema, schema_rules as rules
+from launcher.architectures import SUPPORTED, is_hybrid, tp_problem
 from launcher.config.compose import ConfigError
-from launcher.config.hf_card import HYBRID_ARCHITECTURES, card_from_hf_config
+from launcher.config.hf_card import card_from_hf_config
 from launcher.hf_config import PATTERN_SYMBOLS, hybrid_layers, nemotron_h_unsupported, read_hf_config_if_present
 from launcher.paths import recipe_names
-from launcher.topology import ParallelDims, minimal_world_size
-
-SUPPORTED_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM", "NemotronHForCausalLM")
+from launcher.schema import enabled_stages
+from launcher.topology import ParallelDims
 
 
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def stage_dims(cfg: DictConfig, stage: str) -> ParallelDims:
-    """ParallelDims of a stage (world size defaulted to the smallest the degrees divide); vllm_smoke
-    is one launcher rank (vLLM starts its own tensor-parallel workers)."""
-    if stage == "vllm_smoke":
-        return ParallelDims(world_size=1)
-    p = cfg.stages[stage].parallel
-    world = p.world_size or minimal_world_size(p.tp, p.pp, p.cp, p.ep, p.etp)
-    return ParallelDims(world_size=world, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, etp=p.etp)
-
-
-def enabled_stages(cfg: DictConfig) -> list[str]:
-    return [s for s in schema.STAGE_ORDER if cfg.stages[s].enabled]
 
 
 class _Errors:
@@ -87,8 +73,8 @@ def validate(cfg: DictConfig, check_paths: bool = True) -> list[str]:
 
 def _check_model(cfg: DictConfig, err: _Errors, check_paths: bool) -> None:
     card = cfg.model
-    if card.architecture not in SUPPORTED_ARCHITECTURES:
-        err.add("model.architecture", card.architecture, f"not supported; valid: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    if card.architecture not in SUPPORTED:
+        err.add("model.architecture", card.architecture, f"not supported; valid: {', '.join(SUPPORTED)}")
     if card.num_attention_heads >= 1 and card.num_query_groups >= 1 and card.num_attention_heads % card.num_query_groups:
         err.add("model.num_query_groups", card.num_query_groups,
                 f"must divide model.num_attention_heads={card.num_attention_heads}")
@@ -104,7 +90,7 @@ def _check_model(cfg: DictConfig, err: _Errors, check_paths: bool) -> None:
         elif len(layers) != card.num_layers:
             err.add("model.hybrid_pattern", card.hybrid_pattern,
                     f"has {len(layers)} layers but model.num_layers={card.num_layers}")
-    elif card.architecture in HYBRID_ARCHITECTURES:
+    elif is_hybrid(card.architecture):
         err.add("model.hybrid_pattern", None, f"{card.architecture} needs its layer pattern (config.json "
                 "hybrid_override_pattern, e.g. 'MEM*E'); set it, or use model=from_checkpoint")
     try:
@@ -117,7 +103,7 @@ def _check_model(cfg: DictConfig, err: _Errors, check_paths: bool) -> None:
         if check_paths and os.path.isdir(card.path):
             err.add("model.path", card.path, "no config.json there (a local Hugging Face checkpoint directory)")
         return
-    if derived.get("architecture") in HYBRID_ARCHITECTURES:
+    if is_hybrid(derived.get("architecture")):
         for problem in nemotron_h_unsupported(hf):
             err.add("model.path", card.path, problem)
     for key, value in derived.items():
@@ -164,7 +150,7 @@ def _check_slurm_nodes(cfg: DictConfig, err: _Errors) -> None:
         return
     for stage in enabled_stages(cfg):
         try:
-            world = stage_dims(cfg, stage).world_size
+            world = ParallelDims.from_stage(cfg, stage).world_size
         except ValueError:
             continue   # the stage's own parallel errors are reported already
         n = stage_nodes(world, ex.nodes)
@@ -199,16 +185,14 @@ def _check_parallel(cfg: DictConfig, stage: str, err: _Errors) -> None:
         err.add(f"{key}.pp", p.pp, f"must divide {what}{card.num_layers} layers: Megatron gives every "
                 f"pipeline stage the same number of whole layers "
                 f"(valid: {', '.join(map(str, divisors(card.num_layers)))})")
-    if card.architecture in HYBRID_ARCHITECTURES and p.tp > 1:
-        err.add(f"{key}.tp", p.tp, f"must be 1 for {card.architecture}: ModelOpt 0.47's Nemotron-H import "
-                "replicates the Mamba mixer's norm weight, which Megatron shards over TP (the weights "
-                "would not load); use ep/pp instead")
+    if why := tp_problem(card.architecture, p.tp):
+        err.add(f"{key}.tp", p.tp, why)
     for dim in ("num_attention_heads", "num_query_groups"):
         if card[dim] % p.tp:
             err.add(f"{key}.tp", p.tp, f"must divide model.{dim}={card[dim]} "
                     f"(valid: {', '.join(map(str, divisors(card[dim])))})")
     try:   # the rank grid every rank builds: world = tp*cp*dp*pp = etp*ep*edp*pp (ParallelDims' rule)
-        stage_dims(cfg, stage)
+        ParallelDims.from_stage(cfg, stage)
     except ValueError as e:
         err.add(f"{key}.world_size", p.world_size, str(e))
 

@@ -27,9 +27,9 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, Sequence
 
-from launcher.contract import EXIT_REASONS, JobState, RunLayout, StageStatus, write_json_atomic
+from launcher.contract import EXIT_REASONS, JobState, RunLayout, StageStatus, split_secrets, write_json_atomic
 from launcher.executors.base import Progress, StagePlan, StageResult
-from launcher.executors.slurm_script import dependency_spec, render_sbatch, split_secret_env, stage_env
+from launcher.executors.slurm_script import dependency_spec, render_sbatch, stage_env
 from launcher.executors.slurm_state import (
     FINAL_STATES,
     UNKNOWN,
@@ -200,7 +200,7 @@ class SlurmExecutor:
             if dep:
                 argv.append(f"--dependency={dep}")
             argv.append(path)
-            _, secret = split_secret_env(stage_env(plan, self.cfg))
+            _, secret = split_secrets(stage_env(plan, self.cfg))
             r = _run(argv, env=_client_env(secret))
             if r.returncode != 0:
                 if ids:

@@ -31,7 +31,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
-from typing import TYPE_CHECKING, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 from launcher.executors.base import StagePlan
 from launcher.slurm_env import DERIVED_PORT_BASE, DERIVED_PORT_SPAN
@@ -63,11 +63,6 @@ def stage_env(plan: StagePlan, cfg: SlurmExecutorConfig) -> dict[str, str]:
                 raise ScriptError(f"env: {k!r} is not a valid environment variable name")
             env[str(k)] = "" if v is None else str(v)
     return env
-
-
-def split_secret_env(env: Mapping[str, str]) -> tuple[dict[str, str], dict[str, str]]:
-    """(written into the script, passed through sbatch's environment only): the contract's rule."""
-    return split_secrets(env)
 
 
 def default_job_name(plan: StagePlan, run_dir: str) -> str:
@@ -157,7 +152,7 @@ def render_sbatch(plan: StagePlan, cfg: SlurmExecutorConfig, run_dir: str, job_n
     env = stage_env(plan, cfg)
     env.setdefault("OMP_NUM_THREADS", str(cfg.omp_num_threads))
     env.setdefault("PYTHONUNBUFFERED", "1")
-    public, secret = split_secret_env(env)
+    public, secret = split_secrets(env)   # written into the script / passed through sbatch's environment only
     lines += [f"export {k}={q(v)}" for k, v in public.items()]
     for k in secret:
         lines.append(f"# {k}: secret, passed through sbatch's environment (not written here)")

@@ -26,6 +26,7 @@ from typing import Optional
 from launcher import formats
 from launcher.export import verify_layout as layout
 from launcher.export.safetensors_dir import checkpoint_tensor_names
+from launcher.hf_config import read_hf_config_if_present
 
 QUANT_ALGO_FORMATS = formats.quant_algo_formats()   # {"NVFP4": "nvfp4", "W4A16_NVFP4": "nvfp4", "FP8": "fp8"}
 
@@ -81,10 +82,7 @@ def verify_export(export_dir: str, fmt: str, *, source_dir: Optional[str] = None
         findings.errors_named("expert {} is not quantized but the recipe quantizes every expert", unq)
     if source is not None:
         layout.check_names_vs_source(tensors, source, fmt, kinds, findings)
-    source_config = None
-    if source_dir and os.path.isfile(os.path.join(source_dir, "config.json")):
-        with open(os.path.join(source_dir, "config.json")) as f:
-            source_config = json.load(f)
+    source_config = read_hf_config_if_present(source_dir) if source_dir else None
     layout.check_tied_embeddings(config, tensors, findings, source_config)
     if num_layers is None:
         findings.error("cannot check layers: no num_layers in the model card or config.json")

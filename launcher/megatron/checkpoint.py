@@ -17,18 +17,11 @@ import json
 import os
 import shutil
 
+from launcher.megatron.collectives import broadcast
 from launcher.megatron.models import unwrap_model
 
 MARKER = "launcher_checkpoint.json"
 MODELOPT_STATE_DIR = "modelopt_state"
-
-
-def _decide_on_rank0(value):
-    import torch.distributed as dist
-
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 def _layout() -> dict:
@@ -53,7 +46,7 @@ def save_checkpoint(model, path: str, overwrite: bool = False) -> None:
     from modelopt.torch.opt.plugins.mcore_dist_checkpointing import save_sharded_modelopt_state
 
     path = os.path.abspath(path)
-    exists = _decide_on_rank0(os.path.exists(path))
+    exists = broadcast(os.path.exists(path))
     if exists and not overwrite:
         raise ValueError(f"checkpoint path {path} exists; refusing to overwrite (overwrite=True replaces it)")
     tmp = f"{path}.tmp-partial"

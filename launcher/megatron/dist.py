@@ -101,9 +101,9 @@ def init_distributed(dims: "ParallelDims", device: str, timeout_s: float = 120, 
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
     from launcher.megatron import patches
-    from launcher.megatron.models import HYBRID_ARCHITECTURES
+    from launcher.architectures import is_hybrid
 
-    if architecture in HYBRID_ARCHITECTURES:
+    if is_hybrid(architecture):
         patches.apply("mamba_ssm_stub")
     import torch
     import torch.distributed as dist

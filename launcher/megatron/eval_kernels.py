@@ -14,7 +14,8 @@ The cuDNN SDPA backend is excluded (flash, memory-efficient or math kernels only
 new batch shapes cost ~35-45 ms per shape more than a second pass over the same shapes
 (``benchmarks/mmlu_gpu.py``, dense: 1.31 s vs 0.85 s for 14 new shapes), while the local spec
 showed no such gap (1.29 vs 1.28 s).  cuDNN builds an execution plan per new shape, the likely
-cause; the gate sees each batch shape once.  (Excluding it was not re-measured on the GPU.)
+cause; the gate sees each batch shape once.  The figures are with cuDNN's kernel: none were taken
+with it excluded.
 
 ``gpt_eval_spec(spec)`` returns the layer spec with ``DotProductAttention`` swapped for it; the
 model builder also sets ``bias_activation_fusion`` (Megatron's own fused SwiGLU, a

@@ -11,28 +11,24 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from launcher.architectures import ARCHITECTURES, Architecture, architecture
 from launcher.contract import Dtype, values
-from launcher.hf_config import HYBRID_ARCHITECTURES, read_hf_config
+from launcher.hf_config import read_hf_config
 
 if TYPE_CHECKING:
     import torch
 
     from launcher.topology import ParallelDims
 
-GPT_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM")
-SUPPORTED_ARCHITECTURES = GPT_ARCHITECTURES + HYBRID_ARCHITECTURES
 DTYPES = values(Dtype)   # the schema's dtype choices (launcher.contract.Dtype)
-DISPATCHERS = ("alltoall", "allgather")
 
 
-def architecture_of(hf_config: dict[str, Any]) -> str:
+def architecture_of(hf_config: dict[str, Any]) -> Architecture:
+    """The supported architecture (``launcher.architectures``) config.json names first."""
     archs = hf_config.get("architectures") or []
     if not archs:
         raise ValueError("config.json has no 'architectures' entry; cannot choose a Megatron model")
-    arch = archs[0]
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"architecture {arch!r} is not supported; supported: {list(SUPPORTED_ARCHITECTURES)}")
-    return arch
+    return architecture(archs[0])
 
 
 def resolve_dtype(dtype: "str | torch.dtype", device: str) -> "torch.dtype":
@@ -289,13 +285,15 @@ def _build_nemotron_h(hf: dict[str, Any], dims: "ParallelDims", device: str, dty
 def check_buildable(hf_path: str, device: str) -> str:
     """The architecture, or a ValueError when it cannot be built on ``device``."""
     arch = architecture_of(read_hf_config(hf_path))
-    if arch in HYBRID_ARCHITECTURES:
+    if arch.gpu_only and device != "cuda":
+        raise ValueError(f"{arch.name} cannot be built on {device}: {arch.gpu_only}")
+    if arch.hybrid:
         from launcher.megatron.mamba_ssm_compat import megatron_mamba_status
 
         usable, reason = megatron_mamba_status()
         if not usable:
-            raise ValueError(f"{arch} (hybrid Mamba) cannot be built here: {reason}")
-    return arch
+            raise ValueError(f"{arch.name} (hybrid Mamba) cannot be built here: {reason}")
+    return arch.name
 
 
 def build_model(hf_path: str, dims: "ParallelDims", device: str, dtype="bfloat16",
@@ -311,15 +309,17 @@ def build_model(hf_path: str, dims: "ParallelDims", device: str, dtype="bfloat16
     on or off for GPT architectures (default: with ``eval_kernels`` on CUDA); the CPU test of
     the compiled path uses it.
     """
-    if dispatcher not in DISPATCHERS:
-        raise ValueError(f"moe_dispatcher={dispatcher!r} is not valid; valid values: {list(DISPATCHERS)}")
-    arch = check_buildable(hf_path, device)
-    hf = read_hf_config(hf_path)
+    arch = ARCHITECTURES[check_buildable(hf_path, device)]
+    if dispatcher not in arch.dispatchers:
+        raise ValueError(f"moe_dispatcher={dispatcher!r} is not valid; valid values: {list(arch.dispatchers)}")
     torch_dtype = resolve_dtype(dtype, device)
-    if arch in HYBRID_ARCHITECTURES:
+    if str(dtype).replace("torch.", "") not in arch.dtypes:
+        raise ValueError(f"dtype={dtype!r} is not valid for {arch.name}; valid values: {list(arch.dtypes)}")
+    hf = read_hf_config(hf_path)
+    if arch.builder == "hybrid":
         model = _build_nemotron_h(hf, dims, device, torch_dtype, dispatcher)
     else:
-        model = _build_gpt(arch, hf, dims, device, torch_dtype, dispatcher, eval_kernels, fused_activation)
+        model = _build_gpt(arch.name, hf, dims, device, torch_dtype, dispatcher, eval_kernels, fused_activation)
     if device == "cuda":
         import torch
 

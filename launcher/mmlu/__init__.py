@@ -14,9 +14,11 @@ Pure Python (no torch import):
     sharding.plan_shards(shapes, dims, mode, dispatcher, allow_unsafe) -> ShardPlan
     sharding.resolve_mode(mode, ep, allow_unsafe)
     gate.wilson_interval(correct, n); gate.decide(...) -> GateDecision; gate.check_gate_config(...)
+    results.Prediction / results.Evaluation; results.decide(prepared, results, scfg, baseline) -> GateDecision;
+    results.build_results(...) -> mmlu/results.json
 Torch side:
     guard.StepGuard / guard.make_groups / guard.DesyncError (exit code ExitCode.DESYNC)
-    evaluate.run_plan / evaluate.evaluate_model / evaluate.gather_to_rank0
+    evaluate.run_plan / evaluate.evaluate_model / evaluate.gather_to_rank0 / evaluate.batch_limits
     evaluate.prepare_model_for_eval (fold weight quantizers, grouped experts) / release_model_after_eval
-The stage itself is ``launcher.stages.mmlu`` (``build_results``, ``run``); ``prepared.prepare`` readies the questions.
+The stage itself is ``launcher.stages.mmlu`` (``run``); ``prepared.prepare`` readies the questions.
 """

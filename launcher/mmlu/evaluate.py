@@ -4,7 +4,8 @@
 batch, right padding: causal attention leaves the real positions untouched), runs the LM head
 only at each prompt's last real token (``forward_logits(positions=...)``), reads the four choice
 logits there on the last pipeline stage, and keeps the rows of the batches this rank owns.
-``gather_to_rank0`` collects them on rank 0.
+``gather_to_rank0`` collects them on rank 0.  ``batch_limits`` resolves the stage's batch limits
+for the device (on CUDA, from every rank's memory).
 """
 from __future__ import annotations
 
@@ -12,14 +13,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
-from launcher.mmlu.batching import Batch
+from launcher.mmlu.batching import Batch, BatchLimits
 from launcher.mmlu.guard import StepGuard
+from launcher.mmlu.results import Prediction
 from launcher.mmlu.sharding import ShardPlan
 
 
 @dataclass
 class EvalRun:
-    results: dict[int, tuple[int, list[float]]]   # prompt index -> (prediction, 4 logits)
+    results: dict[int, Prediction]   # prompt index -> (choice, 4 logits)
     forward_calls: int = 0
     dummies: int = 0
     seconds: float = 0.0
@@ -60,7 +62,7 @@ def run_plan(model, token_ids: Sequence[Sequence[int]], batches: Sequence[Batch]
             sel = logits[: len(batch.items)][:, choice].cpu()   # forward_logits returns float32
             for row, p in enumerate(batch.items):
                 vals = sel[row].tolist()
-                run.results[p] = (int(sel[row].argmax().item()), vals)
+                run.results[p] = Prediction(int(sel[row].argmax().item()), vals)
         if batch is not None:
             done_q += batch.rows
         if log is not None and ((i + 1) % log_every == 0 or i + 1 == n):
@@ -74,12 +76,11 @@ def run_plan(model, token_ids: Sequence[Sequence[int]], batches: Sequence[Batch]
 
 def gather_to_rank0(local: dict, rank: int, world_size: int) -> Optional[dict]:
     """Merge every rank's {prompt index: result} on rank 0 (None elsewhere)."""
-    import torch.distributed as dist
+    from launcher.megatron.collectives import gather_to_rank0 as gather
 
     if world_size == 1:
         return dict(local)
-    box = [None] * world_size if rank == 0 else None
-    dist.gather_object(local, box, dst=0)
+    box = gather(local, rank)
     if rank != 0:
         return None
     merged: dict = {}
@@ -91,14 +92,28 @@ def gather_to_rank0(local: dict, rank: int, world_size: int) -> Optional[dict]:
     return merged
 
 
-def broadcast_from_rank0(value):
-    import torch.distributed as dist
+def batch_limits(scfg, device: str, hf_path: str) -> BatchLimits:
+    """``stages.mmlu.batch_size``/``max_batch_tokens`` resolved for ``device`` (auto on CUDA reads
+    the device's memory and the model's dimensions from config.json)."""
+    from launcher.megatron.collectives import all_gather
+    from launcher.mmlu.batching import AUTO, activation_bytes_per_token, resolve_limits
 
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    mem = per_token = None
+    moe = False
+    if scfg.batch_size == AUTO and device == "cuda":
+        import torch
+
+        from launcher.hf_config import read_hf_config
+
+        hf = read_hf_config(hf_path)
+        topk = int(hf.get("num_experts_per_tok") or 0)
+        moe = topk > 0
+        mem = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        mem = min(all_gather(mem))   # one budget, one shard plan
+        per_token = activation_bytes_per_token(
+            hf["hidden_size"], hf.get("intermediate_size") or 4 * hf["hidden_size"], topk,
+            int(hf.get("moe_intermediate_size") or 0))
+    return resolve_limits(scfg.batch_size, scfg.max_batch_tokens, device, mem, per_token, moe)
 
 
 def evaluate_model(model, prepared, dims, rank: int, mode: str = "auto",

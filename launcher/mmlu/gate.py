@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from launcher.contract import BaselineMode, values
@@ -76,11 +76,6 @@ class GateDecision:
     paired: Optional[PairedComparison] = None
     failures: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["interval"] = list(self.interval)
-        return d
 
 
 def decide(correct: int, n: int, lower_bound: Optional[float] = None,

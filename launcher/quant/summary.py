@@ -131,11 +131,10 @@ def weight_modules(model) -> dict[str, str]:
 
 def gather_summary(model) -> dict[str, Any]:
     """Merge every rank's quantizers (collective: all ranks call); same result on every rank."""
-    import torch.distributed as dist
+    from launcher.megatron.collectives import all_gather
 
     local = {"quantizers": describe_quantizers(model), "weight_modules": weight_modules(model)}
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, local)
+    gathered = all_gather(local)
     quantizers: dict[str, dict] = {}
     modules: dict[str, str] = {}
     for part in gathered:

@@ -90,7 +90,7 @@ def _recipe_name(layout: RunLayout, errors: list[str]) -> Optional[str]:
 
 
 def gate_fields(results: Optional[dict]) -> Optional[dict]:
-    """What the report needs of mmlu/results.json (launcher/stages/mmlu.build_results)."""
+    """What the report needs of mmlu/results.json (launcher/mmlu/results.build_results)."""
     if not results:
         return None
     base = results.get("baseline") or {}

@@ -18,7 +18,9 @@ import shutil
 import time
 
 from launcher.contract import StageFailed, write_json_atomic
+from launcher.megatron.collectives import all_gather, broadcast, on_rank0
 from launcher.stages.context import StageContext
+from launcher.stages.timings import Timings
 
 TMP_SUFFIX = ".tmp-export"
 REJECTED_SUFFIX = ".rejected"
@@ -27,41 +29,6 @@ MAX_ERRORS_IN_MESSAGE = 5
 # model) while the others wait; they wait on a gloo group of their own with this timeout, not on
 # the stage's collective timeout (120 s by default).
 VERIFY_WAIT_TIMEOUT_S = 6 * 3600
-
-
-def _broadcast(value, group=None):
-    import torch.distributed as dist
-
-    box = [value]
-    dist.broadcast_object_list(box, src=0, group=group)
-    return box[0]
-
-
-def _long_wait_group():
-    import datetime
-
-    import torch.distributed as dist
-
-    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=VERIFY_WAIT_TIMEOUT_S))
-
-
-def _gather(value) -> list:
-    import torch.distributed as dist
-
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
-    return out
-
-
-def _on_rank0(ctx: StageContext, fn, group=None):
-    """Run ``fn`` on rank 0; every rank gets (result, error message) - no rank is left hanging."""
-    result, error = None, None
-    if ctx.rank == 0:
-        try:
-            result = fn()
-        except Exception as e:  # noqa: BLE001 - shared with every rank, then raised there
-            error = f"{type(e).__name__}: {e}"
-    return _broadcast((result, error), group)
 
 
 def _references(ctx: StageContext, model, fmt: str, export_dir: str):
@@ -142,6 +109,49 @@ def _publish(tmp: str, final: str, ok: bool, overwrite: bool) -> str:
     return target
 
 
+def _start(ctx: StageContext, final: str, tmp: str) -> None:
+    """Refuse an existing export unless overwrite is set; make an empty ``tmp`` (rank 0)."""
+    if ctx.dims.tp != 1 or ctx.dims.ep != 1 or ctx.dims.etp != 1:
+        raise StageFailed(f"export needs tp=1 ep=1 etp=1, got {ctx.dims.describe()} (config validation refuses this)")
+    exists = broadcast(os.path.exists(final) if ctx.rank == 0 else None)
+    if exists and not ctx.stage_cfg.overwrite:
+        raise StageFailed(f"{final} exists; refusing to overwrite it (set stages.export.overwrite=true)")
+    _, err = on_rank0(lambda: (shutil.rmtree(tmp, ignore_errors=True), os.makedirs(tmp)), ctx.rank)
+    if err:
+        raise StageFailed(f"cannot create {tmp}: {err}")
+
+
+def _all_references(ctx: StageContext, model, fmt: str, tmp: str):
+    """Every rank's dequant-vs-Megatron results and quantized HF module names, on every rank:
+    (results, names, []) or (None, None, why not, per rank whose layout has no HF name mapping)."""
+    results, quantized = _references(ctx, model, fmt, tmp)
+    gathered = all_gather((results, sorted(quantized) if results is not None else quantized))
+    unmapped = sorted({names for rank_results, names in gathered if rank_results is None})
+    if unmapped:
+        return None, None, unmapped
+    return [r for rank_results, _ in gathered for r in rank_results], {n for _, names in gathered for n in names}, []
+
+
+def _raise_if_rejected(ctx: StageContext, summary: dict) -> None:
+    if summary["ok"]:
+        return
+    errors = summary["errors"]
+    more = f" (and {len(errors) - MAX_ERRORS_IN_MESSAGE} more)" if len(errors) > MAX_ERRORS_IN_MESSAGE else ""
+    raise StageFailed(f"export verification failed, {len(errors)} problem(s): "
+                      + "; ".join(errors[:MAX_ERRORS_IN_MESSAGE]) + more
+                      + f". Rejected export kept at {summary['export_dir']}; details in "
+                      + ctx.layout.export_verify)
+
+
+def _publish_unverified(ctx: StageContext, tmp: str, final: str, timings: Timings) -> None:
+    ctx.warn("stages.export.verify=false: publishing an UNVERIFIED export")
+    _, err = on_rank0(lambda: (_publish(tmp, final, True, ctx.stage_cfg.overwrite), write_json_atomic(
+        ctx.layout.export_verify, {"ok": None, "skipped": "stages.export.verify=false",
+                                   "export_dir": final, "timings": timings})), ctx.rank)
+    if err:
+        raise StageFailed(err)
+
+
 def run(ctx: StageContext) -> None:
     from launcher.megatron.hf_io import export_hf
     from launcher.megatron.models import build_model, resolve_dtype
@@ -150,46 +160,26 @@ def run(ctx: StageContext) -> None:
     fmt = str(cfg.recipe.format)
     final = ctx.layout.export_dir(stage.name)
     tmp = final + TMP_SUFFIX
-    if ctx.dims.tp != 1 or ctx.dims.ep != 1 or ctx.dims.etp != 1:
-        raise StageFailed(f"export needs tp=1 ep=1 etp=1, got {ctx.dims.describe()} (config validation refuses this)")
-    exists = _broadcast(os.path.exists(final) if ctx.rank == 0 else None)
-    if exists and not stage.overwrite:
-        raise StageFailed(f"{final} exists; refusing to overwrite it (set stages.export.overwrite=true)")
-    _, err = _on_rank0(ctx, lambda: (shutil.rmtree(tmp, ignore_errors=True), os.makedirs(tmp)))
-    if err:
-        raise StageFailed(f"cannot create {tmp}: {err}")
-    timings = {}
-
-    t = time.time()
-    model = build_model(cfg.model.path, ctx.dims, ctx.device, stage.dtype, "alltoall", cfg.model.trust_remote_code)
-    loaded_from = _load_weights(ctx, model)
-    timings["build_and_load_s"] = round(time.time() - t, 2)
+    _start(ctx, final, tmp)
+    timings = Timings()
+    with timings.measure("build_and_load_s"):
+        model = build_model(cfg.model.path, ctx.dims, ctx.device, stage.dtype, "alltoall", cfg.model.trust_remote_code)
+        loaded_from = _load_weights(ctx, model)
     ctx.log(f"loaded {loaded_from} at {ctx.dims.describe()} in {timings['build_and_load_s']} s")
-
-    t = time.time()
-    try:
-        export_hf(model, cfg.model.path, tmp, stage.dtype)
-    except RuntimeError as e:  # ModelOpt's own self-check ("Export dropped N tensor(s) ...")
-        raise StageFailed(f"ModelOpt export failed: {e}") from e
-    timings["export_s"] = round(time.time() - t, 2)
+    with timings.measure("export_s"):
+        try:
+            export_hf(model, cfg.model.path, tmp, stage.dtype)
+        except RuntimeError as e:  # ModelOpt's own self-check ("Export dropped N tensor(s) ...")
+            raise StageFailed(f"ModelOpt export failed: {e}") from e
     ctx.log(f"ModelOpt wrote {tmp} in {timings['export_s']} s")
 
     if not stage.verify:
-        ctx.warn("stages.export.verify=false: publishing an UNVERIFIED export")
-        _, err = _on_rank0(ctx, lambda: (_publish(tmp, final, True, stage.overwrite), write_json_atomic(
-            ctx.layout.export_verify, {"ok": None, "skipped": "stages.export.verify=false",
-                                                "export_dir": final, "timings": timings})))
-        if err:
-            raise StageFailed(err)
+        _publish_unverified(ctx, tmp, final, timings)
         return
 
     t = time.time()
     expected_dtype = str(resolve_dtype(stage.dtype, ctx.device)).replace("torch.", "")
-    results, quantized = _references(ctx, model, fmt, tmp)
-    gathered = _gather((results, sorted(quantized) if results is not None else quantized))
-    unmapped = sorted({names for rank_results, names in gathered if rank_results is None})
-    all_results = None if unmapped else [r for rank_results, _ in gathered for r in rank_results]
-    all_quantized = None if unmapped else {n for _, names in gathered for n in names}
+    all_results, all_quantized, unmapped = _all_references(ctx, model, fmt, tmp)
 
     def verify_and_publish():
         try:
@@ -197,7 +187,7 @@ def run(ctx: StageContext) -> None:
             report["warnings"] = list(unmapped) + report["warnings"]
         except Exception as e:  # noqa: BLE001 - a verifier crash is a failed verification
             report = {"ok": False, "errors": [f"verification crashed: {type(e).__name__}: {e}"]}
-        timings["verify_s"] = round(time.time() - t, 2)
+        timings.since("verify_s", t)
         report.update(loaded_from=loaded_from, layout=ctx.dims.describe(), recipe=cfg.recipe.name,
                       timings=timings)
         report["export_dir"] = _publish(tmp, final, bool(report["ok"]), bool(stage.overwrite))
@@ -205,22 +195,10 @@ def run(ctx: StageContext) -> None:
         return {"ok": report["ok"], "errors": report["errors"], "export_dir": report["export_dir"],
                 "size": report.get("size")}
 
-    import torch.distributed as dist
-
-    wait_group = _long_wait_group()
-    try:
-        summary, err = _on_rank0(ctx, verify_and_publish, wait_group)
-    finally:
-        dist.destroy_process_group(wait_group)
+    summary, err = on_rank0(verify_and_publish, ctx.rank, wait_s=VERIFY_WAIT_TIMEOUT_S)
     if err:
         raise StageFailed(f"export verification could not complete: {err}")
-    if not summary["ok"]:
-        errors = summary["errors"]
-        more = f" (and {len(errors) - MAX_ERRORS_IN_MESSAGE} more)" if len(errors) > MAX_ERRORS_IN_MESSAGE else ""
-        raise StageFailed(f"export verification failed, {len(errors)} problem(s): "
-                          + "; ".join(errors[:MAX_ERRORS_IN_MESSAGE]) + more
-                          + f". Rejected export kept at {summary['export_dir']}; details in "
-                          + ctx.layout.export_verify)
+    _raise_if_rejected(ctx, summary)
     size = summary.get("size") or {}
     ctx.log(f"verified {summary['export_dir']}: {size.get('export_bytes')} bytes = "
             f"{size.get('ratio_vs_bf16')} x bf16")

@@ -16,96 +16,15 @@ from __future__ import annotations
 import time
 from typing import Optional
 
-from launcher.schema import gate_dtype
 from launcher.contract import ExitCode, StageFailed, write_json_atomic
+from launcher.megatron.collectives import LONG_WAIT_S, broadcast, on_rank0
 from launcher.mmlu import gate as gate_mod
-from launcher.mmlu.batching import BatchLimits, padding_efficiency, resolve_limits
-from launcher.mmlu.data import LETTERS
-from launcher.mmlu.paired import compare
-# the questions' preparation is library code (launcher/mmlu/prepared.py); its names stay importable here
-from launcher.mmlu.prepared import Prepared, load_tokenizer, pad_token_id, prepare  # noqa: F401
+from launcher.mmlu.batching import padding_efficiency
+from launcher.mmlu.prepared import Prepared, load_tokenizer, prepare
+from launcher.mmlu.results import Evaluation, build_results, decide
+from launcher.schema import gate_dtype
 from launcher.stages.context import StageContext
-
-
-def batch_limits(scfg, device: str, hf_path: str) -> BatchLimits:
-    """``stages.mmlu.batch_size``/``max_batch_tokens`` resolved for ``device`` (auto on CUDA reads
-    the device's memory and the model's dimensions from config.json)."""
-    from launcher.mmlu.batching import AUTO, activation_bytes_per_token
-
-    mem = per_token = None
-    moe = False
-    if scfg.batch_size == AUTO and device == "cuda":
-        import torch
-
-        from launcher.hf_config import read_hf_config
-
-        hf = read_hf_config(hf_path)
-        topk = int(hf.get("num_experts_per_tok") or 0)
-        moe = topk > 0
-        mem = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-            every = [None] * torch.distributed.get_world_size()   # one budget, one shard plan
-            torch.distributed.all_gather_object(every, mem)
-            mem = min(every)
-        per_token = activation_bytes_per_token(
-            hf["hidden_size"], hf.get("intermediate_size") or 4 * hf["hidden_size"], topk,
-            int(hf.get("moe_intermediate_size") or 0))
-    return resolve_limits(scfg.batch_size, scfg.max_batch_tokens, device, mem, per_token, moe)
-
-
-def build_results(prepared: Prepared, results: dict, scfg, decision: gate_mod.GateDecision,
-                  plan, baseline: Optional[dict] = None, timings: Optional[dict] = None) -> dict:
-    """The content of mmlu/results.json (pure)."""
-    qs = [p.question for p in prepared.prompts]
-    preds = [results[i][0] for i in range(len(qs))]
-    subjects = gate_mod.per_subject([q.subject for q in qs], [p == q.answer for p, q in zip(preds, qs)])
-    per_q = []
-    for i, q in enumerate(qs):
-        entry = {"index": q.index, "subject": q.subject, "answer": LETTERS[q.answer],
-                 "prediction": LETTERS[preds[i]], "correct": preds[i] == q.answer,
-                 "logits": [round(float(x), 6) for x in results[i][1]]}
-        if baseline is not None:
-            entry["baseline_prediction"] = LETTERS[baseline[i][0]]
-            entry["baseline_logits"] = [round(float(x), 6) for x in baseline[i][1]]
-        per_q.append(entry)
-    summary = plan.summary()
-    eff = padding_efficiency(prepared.batches)
-    eff_plan = padding_efficiency(prepared.batches, plan.shard_padded_tokens())
-    return {
-        "accuracy": decision.accuracy, "n": decision.n, "correct": decision.correct,
-        "interval": list(decision.interval), "interval_level": 0.95, "interval_method": "wilson",
-        "lower_bound": decision.lower_bound, "max_drop": decision.max_drop,
-        "baseline": {"mode": scfg.baseline, "accuracy": decision.baseline_accuracy,
-                     "drop": decision.drop,
-                     "paired": decision.paired.to_dict() if decision.paired is not None else None},
-        "mean_kl": decision.paired.mean_kl if decision.paired is not None else None,
-        "agreement": decision.agreement, "pass": decision.passed,
-        "failures": decision.failures, "warnings": decision.warnings,
-        "dataset": scfg.dataset, "dev_dataset": scfg.dev_dataset, "fraction": scfg.fraction,
-        "few_shots": scfg.few_shots, "add_bos": scfg.add_bos, "truncated_prompts": prepared.truncated,
-        "per_subject": subjects, "questions": per_q,
-        "shard_mode": plan.mode, "plan": summary,
-        "batches": {"count": len(prepared.batches), "batch_size": scfg.batch_size,
-                    "max_batch_tokens": scfg.max_batch_tokens,
-                    "resolved": prepared.limits.summary() if prepared.limits else None},
-        "padding_efficiency": eff, "padding_efficiency_with_plan": eff_plan,
-        "timings": timings or {},
-    }
-
-
-def decide(prepared: Prepared, results: dict, scfg, baseline: Optional[dict]) -> gate_mod.GateDecision:
-    qs = [p.question for p in prepared.prompts]
-    preds = [results[i][0] for i in range(len(qs))]
-    correct = sum(p == q.answer for p, q in zip(preds, qs))
-    base_acc, agree = None, None
-    if scfg.baseline == "recorded":
-        base_acc = float(scfg.baseline_accuracy)
-    elif scfg.baseline in gate_mod.PER_QUESTION_BASELINES and baseline is not None:
-        n = len(qs)
-        paired = compare([q.answer for q in qs], preds, [baseline[i][0] for i in range(n)],
-                         [results[i][1] for i in range(n)], [baseline[i][1] for i in range(n)])
-        return gate_mod.decide(correct, n, scfg.lower_bound, scfg.max_drop, paired=paired)
-    return gate_mod.decide(correct, len(qs), scfg.lower_bound, scfg.max_drop, base_acc, agree)
+from launcher.stages.timings import Timings
 
 
 def _baseline_lookup(ctx: StageContext, prepared: Prepared, dtype: str) -> dict:
@@ -115,34 +34,22 @@ def _baseline_lookup(ctx: StageContext, prepared: Prepared, dtype: str) -> dict:
     from launcher.mmlu import baseline_cache
 
     scfg = ctx.stage_cfg
-    found, info = None, None
-    if ctx.rank == 0:
+    found = None
+
+    def lookup() -> dict:
+        nonlocal found
         t = time.time()
-        try:
-            found = baseline_cache.lookup(
-                baseline_cache.resolve_dir(scfg.baseline_cache_dir), ctx.cfg.model.path,
-                [p.text for p in prepared.prompts], prepared.token_ids, scfg.few_shots, scfg.add_bos,
-                str(resolve_dtype(dtype, ctx.device)).replace("torch.", ""))
-            info = {"hit": found.hit, "path": found.path, "key": found.key, "miss": found.miss_reason,
-                    "error": None, "seconds": round(time.time() - t, 2)}
-        except (OSError, ValueError) as e:
-            info = {"hit": False, "path": None, "key": None, "miss": "", "error": f"{type(e).__name__}: {e}"}
-    import datetime
+        found = baseline_cache.lookup(
+            baseline_cache.resolve_dir(scfg.baseline_cache_dir), ctx.cfg.model.path,
+            [p.text for p in prepared.prompts], prepared.token_ids, scfg.few_shots, scfg.add_bos,
+            str(resolve_dtype(dtype, ctx.device)).replace("torch.", ""))
+        return {"hit": found.hit, "path": found.path, "key": found.key, "miss": found.miss_reason,
+                "seconds": round(time.time() - t, 2)}
 
-    import torch.distributed as dist
-
-    # rank 0 may hash a large checkpoint for minutes the first time: wait on a group of our own
-    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(hours=6)) if dist.is_initialized() else None
-    try:
-        box = [info]
-        if group is not None:
-            dist.broadcast_object_list(box, src=0, group=group)
-        info = box[0]
-    finally:
-        if group is not None:
-            dist.destroy_process_group(group)
-    if info["error"]:
-        raise StageFailed(f"baseline cache: {info['error']}")
+    # rank 0 may hash a large checkpoint for minutes the first time: the others wait that long
+    info, error = on_rank0(lookup, ctx.rank, wait_s=LONG_WAIT_S, errors=(OSError, ValueError))
+    if error:
+        raise StageFailed(f"baseline cache: {error}")
     if scfg.baseline == "cached" and not info["hit"]:
         raise StageFailed(f"stages.mmlu.baseline='cached': {info['miss']}")
     ctx.log(f"baseline cache {'hit' if info['hit'] else 'miss'}: {info['path']}"
@@ -159,29 +66,24 @@ def _baseline_from_cache(ctx: StageContext, cached: dict, evaluated: Optional[di
     found = cached["lookup"]
     if found.hit:
         return found.results
-    qs = [p.question for p in prepared.prompts]
-    acc = sum(evaluated[i][0] == q.answer for i, q in enumerate(qs)) / len(qs)
+    acc = Evaluation.of(evaluated).correct([p.question.answer for p in prepared.prompts]) / len(prepared.prompts)
     path = baseline_cache.store(found, evaluated, ctx.cfg.model.path, acc, ctx.dims.describe())
     ctx.log(f"baseline results cached at {path}")
     return evaluated
 
 
-def run(ctx: StageContext) -> None:
-    from launcher.megatron.checkpoint import load_checkpoint
-    from launcher.megatron.hf_io import import_hf_weights
-    from launcher.megatron.models import build_model, resolve_dtype
-    from launcher.mmlu.evaluate import (broadcast_from_rank0, evaluate_model, prepare_model_for_eval,
-                                        release_model_after_eval)
-
-    scfg, cfg = ctx.stage_cfg, ctx.cfg
-    gate_mod.check_gate_config(scfg.lower_bound, scfg.max_drop, scfg.baseline, scfg.baseline_accuracy)
-    timings: dict[str, float] = {}
-    t0 = time.time()
+def _prepare(ctx: StageContext) -> Prepared:
+    """The questions, tokenized and batched for this device (every rank the same)."""
+    from launcher.mmlu.evaluate import batch_limits
     from launcher.paths import cache_dir
 
+    scfg, cfg = ctx.stage_cfg, ctx.cfg
     tokenizer = load_tokenizer(cfg.model.path, bool(cfg.model.trust_remote_code))
-    prepared = prepare(scfg, tokenizer, batch_limits(scfg, ctx.device, cfg.model.path), cache_dir())
-    timings["prepare_s"] = time.time() - t0
+    return prepare(scfg, tokenizer, batch_limits(scfg, ctx.device, cfg.model.path), cache_dir())
+
+
+def _log_prepared(ctx: StageContext, prepared: Prepared) -> None:
+    scfg = ctx.stage_cfg
     if prepared.token_cache.get("error"):
         ctx.warn(prepared.token_cache["error"])
     if prepared.truncated:
@@ -191,63 +93,86 @@ def run(ctx: StageContext) -> None:
             f"padding efficiency {padding_efficiency(prepared.batches):.3f}, shard_mode={scfg.shard_mode}, "
             f"token cache {prepared.token_cache.get('cache')}")
 
-    t = time.time()
-    dtype = gate_dtype(cfg)   # the one rule: the quantize stage's dtype (launcher.schema)
-    cached = _baseline_lookup(ctx, prepared, dtype) if scfg.baseline in gate_mod.PER_QUESTION_BASELINES else None
-    model = build_model(cfg.model.path, ctx.dims, ctx.device, dtype, scfg.moe_dispatcher,
-                        bool(cfg.model.trust_remote_code), eval_kernels=ctx.device == "cuda")
+
+def _evaluate(ctx: StageContext, prepared: Prepared, timings: Timings):
+    """Build the model, evaluate the baseline when it is evaluated here, load the quantized checkpoint
+    and evaluate it: (results and baseline on rank 0, the shard plan, the cache lookup or None)."""
+    from launcher.megatron.checkpoint import load_checkpoint
+    from launcher.megatron.hf_io import import_hf_weights
+    from launcher.megatron.models import build_model, resolve_dtype
+    from launcher.mmlu.evaluate import evaluate_model, prepare_model_for_eval, release_model_after_eval
+
+    scfg, cfg = ctx.stage_cfg, ctx.cfg
     quantized = bool(cfg.stages.quantize.enabled)
-    evaluate_base = scfg.baseline == "evaluate" and not cached["hit"]
-    if not quantized or evaluate_base:
-        import_hf_weights(model, cfg.model.path, dtype)
-    timings["build_s"] = time.time() - t
+    dtype = gate_dtype(cfg)   # the one rule: the quantize stage's dtype (launcher.schema)
+    with timings.measure("build_s"):
+        cached = _baseline_lookup(ctx, prepared, dtype) if scfg.baseline in gate_mod.PER_QUESTION_BASELINES else None
+        model = build_model(cfg.model.path, ctx.dims, ctx.device, dtype, scfg.moe_dispatcher,
+                            bool(cfg.model.trust_remote_code), eval_kernels=ctx.device == "cuda")
+        evaluate_base = scfg.baseline == "evaluate" and not cached["hit"]
+        if not quantized or evaluate_base:
+            import_hf_weights(model, cfg.model.path, dtype)
     common = dict(dims=ctx.dims, rank=ctx.rank, mode=scfg.shard_mode, dispatcher=scfg.moe_dispatcher,
                   timeout_s=float(scfg.collective_timeout_s),
                   allow_unsafe=bool(scfg.allow_unsafe_shard_mode), stage=ctx.name, log=ctx.log,
                   groups_cache={})
     baseline = None
     if evaluate_base and quantized:
-        t = time.time()
-        prepare_model_for_eval(model, ctx.log)
-        baseline, _, _ = evaluate_model(model, prepared, label="baseline", **common)
-        release_model_after_eval(model)
-        timings["baseline_eval_s"] = time.time() - t
+        with timings.measure("baseline_eval_s"):
+            prepare_model_for_eval(model, ctx.log)
+            baseline, _, _ = evaluate_model(model, prepared, label="baseline", **common)
+            release_model_after_eval(model)
     if quantized:
-        t = time.time()
-        load_checkpoint(model, ctx.layout.quantize_checkpoint)
-        timings["load_checkpoint_s"] = time.time() - t
+        with timings.measure("load_checkpoint_s"):
+            load_checkpoint(model, ctx.layout.quantize_checkpoint)
     # the folded weights are the exported ones (launcher.megatron.fold), in the export's dtype
     export = cfg.stages.get("export")   # a gate-only config (tests) may have no export stage
     export_dtype = resolve_dtype(export.dtype, ctx.device) if export is not None and export.enabled else None
     timings["fold_and_group_s"] = prepare_model_for_eval(model, ctx.log, export_dtype)["seconds"]
-    t = time.time()
-    results, plan, local = evaluate_model(model, prepared, label="quantized" if quantized else "", **common)
-    timings["eval_s"] = time.time() - t
+    with timings.measure("eval_s"):
+        results, plan, local = evaluate_model(model, prepared, label="quantized" if quantized else "", **common)
     timings["forward_calls_this_rank"] = local.forward_calls
     if evaluate_base and not quantized:
         ctx.warn("baseline=evaluate with quantize disabled: the evaluated model is the baseline")
         baseline = results
     if cached is not None and ctx.rank == 0:
         baseline = _baseline_from_cache(ctx, cached, baseline, prepared)
+    return results, baseline, plan, cached
 
+
+def _decide_and_write(ctx: StageContext, prepared: Prepared, results, baseline, plan, cached,
+                      timings: Timings) -> dict:
+    """Rank 0: the gate's decision, written to mmlu/results.json and logged; the verdict to broadcast."""
+    scfg = ctx.stage_cfg
+    decision = decide(prepared, results, scfg, baseline)
+    timings.total("total_s")
+    doc = build_results(prepared, results, scfg, decision, plan, baseline, timings)
+    if cached is not None:
+        doc["baseline"].update(source=cached["source"], cache=cached["path"], cache_key=cached["key"])
+    write_json_atomic(ctx.layout.mmlu_results, doc)
+    ctx.log("per-subject accuracy:\n" + gate_mod.format_table(doc["per_subject"]))
+    lo, hi = decision.interval
+    ctx.log(f"accuracy {decision.accuracy:.4f} ({decision.correct}/{decision.n}), 95% interval "
+            f"[{lo:.4f}, {hi:.4f}], lower_bound {scfg.lower_bound}, baseline "
+            f"{decision.baseline_accuracy}, agreement {decision.agreement}: "
+            f"{'PASS' if decision.passed else 'FAIL'}")
+    for w in decision.warnings:
+        ctx.warn(w)
+    return {"pass": decision.passed, "failures": decision.failures}
+
+
+def run(ctx: StageContext) -> None:
+    scfg = ctx.stage_cfg
+    gate_mod.check_gate_config(scfg.lower_bound, scfg.max_drop, scfg.baseline, scfg.baseline_accuracy)
+    timings = Timings(digits=None)
+    with timings.measure("prepare_s"):
+        prepared = _prepare(ctx)
+    _log_prepared(ctx, prepared)
+    results, baseline, plan, cached = _evaluate(ctx, prepared, timings)
     verdict = None
     if ctx.rank == 0:
-        decision = decide(prepared, results, scfg, baseline)
-        timings["total_s"] = time.time() - t0
-        doc = build_results(prepared, results, scfg, decision, plan, baseline, timings)
-        if cached is not None:
-            doc["baseline"].update(source=cached["source"], cache=cached["path"], cache_key=cached["key"])
-        write_json_atomic(ctx.layout.mmlu_results, doc)
-        ctx.log("per-subject accuracy:\n" + gate_mod.format_table(doc["per_subject"]))
-        lo, hi = decision.interval
-        ctx.log(f"accuracy {decision.accuracy:.4f} ({decision.correct}/{decision.n}), 95% interval "
-                f"[{lo:.4f}, {hi:.4f}], lower_bound {scfg.lower_bound}, baseline "
-                f"{decision.baseline_accuracy}, agreement {decision.agreement}: "
-                f"{'PASS' if decision.passed else 'FAIL'}")
-        for w in decision.warnings:
-            ctx.warn(w)
-        verdict = {"pass": decision.passed, "failures": decision.failures}
-    verdict = broadcast_from_rank0(verdict)
+        verdict = _decide_and_write(ctx, prepared, results, baseline, plan, cached, timings)
+    verdict = broadcast(verdict)
     if not verdict["pass"]:
         raise StageFailed("MMLU gate failed: " + "; ".join(verdict["failures"]),
                           exit_code=ExitCode.GATE_FAILED)
