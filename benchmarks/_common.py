@@ -117,6 +117,23 @@ def write_random_qwen3_moe(out: str, tokenizer_dir: str, hidden: int = 128, laye
     return out
 
 
+def read_stage_figures(run_dir: str) -> dict:
+    """Per stage: status and wall (metadata.json) plus the stage's own timings."""
+    meta = json.load(open(os.path.join(run_dir, "metadata.json")))
+    out = {s: {"status": st.get("status"), "wall_s": st.get("duration_s")} for s, st in (meta.get("stages") or {}).items()}
+    for stage, name in (("quantize", "summary.json"), ("mmlu", "results.json"), ("export", "verify.json")):
+        p = os.path.join(run_dir, stage, name)
+        if os.path.isfile(p):
+            doc = json.load(open(p))
+            out.setdefault(stage, {}).update(doc.get("timings") or {})
+            if stage == "mmlu":
+                plan = doc.get("plan") or {}
+                padded = sum(plan.get("padded_tokens_per_rank") or [0])
+                out["mmlu"].update(n=doc.get("n"), accuracy=doc.get("accuracy"),
+                                   real_tokens=round(padded * (doc.get("padding_efficiency_with_plan") or 0)))
+    return out
+
+
 # ----------------------------------------------------------------------------------- MMLU data
 
 _README = """---

@@ -38,7 +38,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._common import (MMLU_JSONL, QWEN_TOKENIZER, REPO_ROOT, copy_tokenizer, log,  # noqa: E402
-                                markdown_table, read_jsonl, write_json)
+                                markdown_table, read_jsonl, read_stage_figures, write_json)
 
 CARD = os.path.join(REPO_ROOT, "examples/nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16/config.json")
 NANO = "examples/nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16/megatron_lm_ptq.yaml"
@@ -153,23 +153,6 @@ def write_calibration(path: str, n: int) -> str:
                                for r in block)
             f.write(json.dumps({"text": text}) + "\n")
     return path
-
-
-def read_stage_figures(run_dir: str) -> dict:
-    """Per stage: status and wall (metadata.json) plus the stage's own timings."""
-    meta = json.load(open(os.path.join(run_dir, "metadata.json")))
-    out = {s: {"status": st.get("status"), "wall_s": st.get("duration_s")} for s, st in (meta.get("stages") or {}).items()}
-    for stage, name in (("quantize", "summary.json"), ("mmlu", "results.json"), ("export", "verify.json")):
-        p = os.path.join(run_dir, stage, name)
-        if os.path.isfile(p):
-            doc = json.load(open(p))
-            out.setdefault(stage, {}).update(doc.get("timings") or {})
-            if stage == "mmlu":
-                plan = doc.get("plan") or {}
-                padded = sum(plan.get("padded_tokens_per_rank") or [0])
-                out["mmlu"].update(n=doc.get("n"), accuracy=doc.get("accuracy"),
-                                   real_tokens=round(padded * (doc.get("padding_efficiency_with_plan") or 0)))
-    return out
 
 
 def derived(fig: dict, model: dict) -> dict:

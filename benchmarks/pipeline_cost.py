@@ -31,7 +31,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._common import (MMLU_JSONL, REPO_ROOT, log, markdown_table, median_wall,  # noqa: E402
-                                read_jsonl, train_small_tokenizer, write_json, write_random_qwen3_moe)
+                                read_jsonl, read_stage_figures, train_small_tokenizer, write_json,
+                                write_random_qwen3_moe)
 
 NANO = "examples/nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16/megatron_lm_ptq.yaml"
 TINY = "examples/tiny/Qwen3-MoE-tiny/megatron_lm_ptq.yaml"
@@ -69,18 +70,6 @@ def card_overrides(hf: str) -> list[str]:
         if value is None or isinstance(value, (list, dict)):
             continue
         out.append(f"model.{key}={value}")
-    return out
-
-
-def _stage_timings(run_dir: str) -> dict:
-    meta = json.load(open(os.path.join(run_dir, "metadata.json")))
-    out = {}
-    for stage, st in (meta.get("stages") or {}).items():
-        out[stage] = {"status": st.get("status"), "wall_s": st.get("duration_s")}
-    for stage, name in (("quantize", "summary.json"), ("export", "verify.json")):
-        p = os.path.join(run_dir, stage, name)
-        if os.path.isfile(p):
-            out.setdefault(stage, {}).update(json.load(open(p)).get("timings") or {})
     return out
 
 
@@ -131,7 +120,7 @@ def stages(calib_sizes: list[int], ranks: int, work: str, timeout_s: int, widths
                 raise RuntimeError(f"{' '.join(cmd)} exited {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
             run_dir = sorted(glob.glob(os.path.join(runs_root, job, "*")), key=os.path.getmtime)[-1]
             entry = {"model": mname, "params": n_params, "calib_size": size, "ranks": ranks,
-                     "launch_wall_s": wall, "run_dir": run_dir, **_stage_timings(run_dir)}
+                     "launch_wall_s": wall, "run_dir": run_dir, **read_stage_figures(run_dir)}
             results.append(entry)
             if on_result is not None:
                 on_result(results)

@@ -82,8 +82,8 @@ mkdir -p "$TORCH_EXTENSIONS_DIR"
 # -m: the build's files get the current time, newer than the sources pip just installed, so
 # ninja finds them up to date (with their old times it rebuilt: 52 s on 2026-12-02)
 [ -f .gpu-cache/torch_ext.tgz ] && tar -C "$TORCH_EXTENSIONS_DIR" -xzmf .gpu-cache/torch_ext.tgz
-for t in .bench/*.tgz; do [ -f "$t" ] && tar -C .bench -xzf "$t" && mkdir -p /tmp/bench && tar -C /tmp/bench -xzf "$t"; done   # scripts/prepare_gpu_payload.sh packs them
-[ ! -d .bench/mmlu ] && [ -d /tmp/bench ] && mkdir -p .bench && cp -a /tmp/bench/. .bench/
+for t in .bench/*.tgz; do [ -f "$t" ] && mkdir -p /tmp/bench && tar -C /tmp/bench -xzf "$t"; done   # scripts/prepare_gpu_payload.sh packs them
+[ -d /tmp/bench ] && mkdir -p .bench && cp -a /tmp/bench/. .bench/
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$out/parts.txt"
 python3 -c "import torch, megatron.core, modelopt; print('torch', torch.__version__, 'mcore', megatron.core.__version__, 'modelopt', modelopt.__version__)" | tee -a "$out/parts.txt"
 python3 -c "import importlib.metadata as m, importlib.util as u; print('versions', *[f'{n}={m.version(n) if u.find_spec(n.replace(chr(45), chr(95))) else None}' for n in ('transformers', 'triton', 'mamba_ssm')])" | tee -a "$out/parts.txt"
