@@ -111,7 +111,8 @@ def test_failing_stage_stops_dependants(slurm_cluster, tmp_path):
     assert last_info(events, "mmlu")["exit_code"] == 3
     for s in ("export", "vllm_smoke"):
         info = last_info(events, s)
-        assert info["reason"] == "DependencyNeverSatisfied" and info["run_time"] == "00:00:00", info
+        assert info["reason"] == "DependencyNeverSatisfied", info
+        assert info["run_time"] in (None, "00:00:00") and info["node_list"] is None, info   # never ran
     assert not (tmp_path / "export-ran").exists() and not (tmp_path / "smoke-ran").exists()
     assert not os.path.exists(plans[2].log_path) or "[slurm] stage" not in open(plans[2].log_path).read()
     ids = [e["job_id"] for e in json.load(open(os.path.join(run_dir, "slurm", "jobs.json")))["stages"].values()]

@@ -180,6 +180,12 @@ def test_parse_scontrol():
     assert set(jobs) == {"46218307", "46218308"}
     never = job_info(jobs["46218308"])
     assert never.never_satisfied and not never.final and never.start_time is None and never.node_list is None
+    assert never.run_time is None
+    # the same job once cancelled, as scontrol printed it in CI: RunTime counted from the epoch
+    cancelled = job_info(parse_scontrol_line(SCONTROL_NEVER.replace("JobState=PENDING", "JobState=CANCELLED")
+                                             .replace("RunTime=00:00:00", "RunTime=20792-08:24:39")))
+    assert cancelled.final and cancelled.start_time is None and cancelled.run_time is None
+    assert job_info(fields).run_time is not None        # a job that ran keeps its run time
 
 
 def test_parse_sbatch():

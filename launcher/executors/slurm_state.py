@@ -104,6 +104,10 @@ def job_info(fields: dict[str, str]) -> JobInfo:
         a, _, b = ec.partition(":")
         if a.isdigit() and b.isdigit():
             exit_code, sig = int(a), int(b)
+    start_time = _null(fields.get("StartTime"))
+    # A job that never started has no run time.  Slurm's RunTime for a job cancelled while pending
+    # is sometimes 00:00:00 and sometimes now minus the epoch ("20792-08:24:39", seen in CI).
+    run_time = _null(fields.get("RunTime")) if start_time else None
     return JobInfo(
         job_id=fields.get("JobId", ""),
         state=state,
@@ -112,9 +116,9 @@ def job_info(fields: dict[str, str]) -> JobInfo:
         signal=sig,
         node_list=_null(fields.get("NodeList")),
         submit_time=_null(fields.get("SubmitTime")),
-        start_time=_null(fields.get("StartTime")),
+        start_time=start_time,
         end_time=_null(fields.get("EndTime")),
-        run_time=_null(fields.get("RunTime")),
+        run_time=run_time,
         time_limit=_null(fields.get("TimeLimit")),
         raw=fields,
     )
