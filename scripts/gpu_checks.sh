@@ -37,7 +37,9 @@
 #                mode by `--resume` of the same run; REPORT_DIR/vllm-CASE-MODE.json keeps each verdict
 #                ($VLLM_CASES picks cases: qwen-nvfp4 qwen-fp8 nemotron-nvfp4; $VLLM_OFFLINE_CASES those of
 #                them that also run offline, default all; VLLM_PIPELINE_ONLY=1 runs only quantize, gate
-#                and export of each case, and a later call's `vllm` part resumes those runs with the smoke)
+#                and export of each case, and a later call's `vllm` part resumes those runs with the smoke;
+#                $VLLM_OVERRIDES adds launcher overrides without spaces, e.g. cases run side by side on one
+#                GPU with stages.vllm_smoke.extra_args=[--gpu-memory-utilization,0.28])
 #   nano         benchmarks/nano_width.py: a random NemotronH with the Nano card's widths, pattern
 #                $NANO_PATTERNS (default MEM*E; a number N = the card's first N layers), through the
 #                Nano example at world size 1: per-stage breakdown, peak GPU memory, export
@@ -151,7 +153,7 @@ for part in $parts; do
         common="executor.device=cuda stages.quantize.parallel={ep:1,world_size:1} stages.mmlu.parallel={ep:1,world_size:1}
                 stages.export.parallel={pp:1,world_size:1} stages.vllm_smoke.enabled=true
                 stages.vllm_smoke.python=$root/scripts/vllm_site_python stages.vllm_smoke.on_unsupported=fail
-                stages.vllm_smoke.startup_timeout_s=${VLLM_STARTUP_TIMEOUT_S:-240}"
+                stages.vllm_smoke.startup_timeout_s=${VLLM_STARTUP_TIMEOUT_S:-240} ${VLLM_OVERRIDES:-}"
         run=$(ls -d /tmp/gpu-runs-vllm/*/$name 2>/dev/null | head -1)
         if [ "${VLLM_PIPELINE_ONLY:-0}" = 1 ]; then   # quantize, gate, export now; the smoke by a later call's --resume
           [ -n "$run" ] && continue
