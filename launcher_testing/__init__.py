@@ -1,0 +1,1 @@
+"""Test and benchmark support: builders of the tiny models, rank helpers (not the product)."""
