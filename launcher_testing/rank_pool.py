@@ -104,7 +104,12 @@ class RankPool:
                     pass
         self.procs = []
 
-    close = kill
+    def close(self) -> None:
+        """End the pool for good: its workers, and its folder of job logs and results."""
+        import shutil
+
+        self.kill()
+        shutil.rmtree(self.root, ignore_errors=True)
 
     # ------------------------------------------------------------ a job
     def run(self, target: str, nprocs: int, kwargs: Optional[dict] = None, timeout_s: float = 300,
@@ -153,8 +158,8 @@ class RankPool:
             time.sleep(POLL_S)
         if len(results) == nprocs and all(p.poll() is None for p in procs):
             return [results[r] for r in range(nprocs)]
-        codes = [None if p.poll() is None else p.returncode for p in procs]
         self.kill()                               # nothing of a failed job survives into the next
+        codes = [p.returncode for p in procs]     # a rank still running when killed: -9
         outputs = []
         for rank in range(nprocs):
             try:
@@ -162,7 +167,6 @@ class RankPool:
                     outputs.append(f.read()[-tail_chars:])
             except OSError:
                 outputs.append("")
-        codes = [p.returncode if c is None else c for p, c in zip(procs, codes)]
         detail = "\n".join(f"----- rank {r} (exit {c}) -----\n{out}" for r, (c, out) in enumerate(zip(codes, outputs)))
         why = f"timed out after {timeout_s} s" if timed_out else f"exit codes {codes}"
         raise JobFailure(f"{target} on {nprocs} pooled ranks: {why}\n{detail}", codes, outputs, timed_out)
