@@ -167,39 +167,96 @@ def derived(fig: dict, model: dict) -> dict:
     return out
 
 
+def launch_argv(hf: str, pattern: str, model: dict, calib: str, runs_root: str, job: str, args,
+                smoke: list[str]) -> list[str]:
+    """``launch`` of the Nano example on the built model at world size 1; ``smoke``: the vLLM smoke's overrides."""
+    one = "{tp:1,pp:1,ep:1,etp:1,world_size:1}"
+    return [sys.executable, "-m", "launcher.cli", NANO, f"model.path={hf}", f"model.num_layers={len(pattern)}",
+            f"model.hybrid_pattern={pattern}", f"model.vocab_size={model['vocab']}", "model.trust_remote_code=false",
+            f"stages.quantize.calib.dataset={calib}", f"stages.quantize.calib.size={args.calib_size}",
+            f"stages.quantize.calib.max_seq_len={args.calib_len}", f"stages.quantize.parallel={one}",
+            f"stages.mmlu.parallel={one}", f"stages.export.parallel={one}", f"stages.mmlu.dataset={MMLU_JSONL}",
+            f"stages.mmlu.fraction={args.fraction}", "stages.mmlu.lower_bound=0.0",
+            *smoke, f"executor.device={args.device}", f"runs_root={runs_root}", f"job_name={job}", *args.overrides]
+
+
+def completed_run(runs_root: str, job: str) -> str | None:
+    """The newest run of ``job`` whose pipeline completed (an earlier call's, kept under ``--work``)."""
+    for run in sorted(glob.glob(os.path.join(runs_root, job, "*")), key=os.path.getmtime, reverse=True):
+        try:
+            with open(os.path.join(run, "metadata.json")) as f:
+                if json.load(f).get("status") == "completed":
+                    return run
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def serve_with_vllm(base: list[str], run: str, args) -> dict:
+    """The vLLM smoke (offline mode, ``--vllm`` interpreter) on the run's export, by ``launch --resume``:
+    its verdict, or vLLM's own error when it does not serve the export."""
+    smoke = ["stages.vllm_smoke.enabled=true", f"stages.vllm_smoke.python={args.vllm}",
+             "stages.vllm_smoke.on_unsupported=fail", "stages.vllm_smoke.mode=offline",
+             "stages.vllm_smoke.min_accuracy=0.0"]
+    argv = [a for a in base if not a.startswith("stages.vllm_smoke.enabled=")]
+    cmd = argv[:argv.index(f"executor.device={args.device}")] + smoke + argv[argv.index(f"executor.device={args.device}"):]
+    log("  vLLM: " + " ".join(cmd + ["--resume", run]))
+    t = time.perf_counter()
+    p = subprocess.run(cmd + ["--resume", run], cwd=REPO_ROOT, capture_output=True, text=True, timeout=args.timeout)
+    out = {"exit": p.returncode, "wall_s": time.perf_counter() - t}
+    for name in ("responses.json", "skip.json"):
+        path = os.path.join(run, "vllm_smoke", name)
+        if os.path.exists(path):
+            with open(path) as f:
+                doc = json.load(f)
+            out[name.split(".")[0]] = {k: doc.get(k) for k in ("passed", "failure", "failures", "agreement",
+                                                                 "accuracy", "gate_accuracy", "vllm_error",
+                                                                 "kernels", "timings", "capability", "reason")}
+    if p.returncode != 0:
+        out["error_tail"] = p.stdout[-2000:] + "\n" + p.stderr[-3000:]
+    return out
+
+
 def run_pattern(spec: str, card: dict, work: str, args) -> dict:
     pattern = resolve_pattern(spec, card["hybrid_override_pattern"])
     hf = os.path.join(work, f"nano-{len(pattern)}")
-    log(f"pattern {pattern}: building the model in {hf}")
-    model = build_model(hf, card, pattern, args.device)
-    log(f"  {model['params']['total'] / 1e9:.2f} B parameters, {model['bytes_bf16'] / 1e9:.1f} GB, "
-        f"built {model['build_s']:.1f} s, saved {model['save_s']:.1f} s")
-    calib = write_calibration(os.path.join(work, "calib.jsonl"), args.calib_size)
     runs_root = os.path.join(work, "runs")
     job = f"nano-width-{len(pattern)}"
-    one = "{tp:1,pp:1,ep:1,etp:1,world_size:1}"
-    cmd = [sys.executable, "-m", "launcher.cli", NANO, f"model.path={hf}", f"model.num_layers={len(pattern)}",
-           f"model.hybrid_pattern={pattern}", f"model.vocab_size={model['vocab']}", "model.trust_remote_code=false",
-           f"stages.quantize.calib.dataset={calib}", f"stages.quantize.calib.size={args.calib_size}",
-           f"stages.quantize.calib.max_seq_len={args.calib_len}", f"stages.quantize.parallel={one}",
-           f"stages.mmlu.parallel={one}", f"stages.export.parallel={one}", f"stages.mmlu.dataset={MMLU_JSONL}",
-           f"stages.mmlu.fraction={args.fraction}", "stages.mmlu.lower_bound=0.0",
-           "stages.vllm_smoke.enabled=false", f"executor.device={args.device}", f"runs_root={runs_root}",
-           f"job_name={job}", *args.overrides]
-    log("  " + " ".join(cmd))
-    t = time.perf_counter()
-    with GpuMemorySampler() as mem:
-        p = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=args.timeout)
-    wall = time.perf_counter() - t
-    runs = sorted(glob.glob(os.path.join(runs_root, job, "*")), key=os.path.getmtime)
-    entry = {"spec": spec, "model": model, "launch_wall_s": wall, "exit": p.returncode,
-             "peak_gpu_memory_mib": mem.peak_mib}
-    if p.returncode != 0:
-        entry["error_tail"] = (p.stdout[-2000:] + "\n" + p.stderr[-3000:])
-    if runs:
-        entry["run_dir"] = runs[-1]
-        entry["stages"] = read_stage_figures(runs[-1])
+    calib = os.path.join(work, "calib.jsonl")
+    model_json = os.path.join(hf, "nano_width_model.json")
+    earlier = completed_run(runs_root, job) if os.path.exists(model_json) else None
+    if earlier:                                    # an earlier call built and ran it (--work kept on this host)
+        with open(model_json) as f:
+            model = json.load(f)
+        log(f"pattern {pattern}: reusing {earlier}")
+        base = launch_argv(hf, pattern, model, calib, runs_root, job, args, ["stages.vllm_smoke.enabled=false"])
+        entry = {"spec": spec, "model": model, "run_dir": earlier, "exit": 0, "reused": True,
+                 "stages": read_stage_figures(earlier)}
         entry.update(derived(entry["stages"], model))
+    else:
+        log(f"pattern {pattern}: building the model in {hf}")
+        model = build_model(hf, card, pattern, args.device)
+        write_json(model_json, model)
+        log(f"  {model['params']['total'] / 1e9:.2f} B parameters, {model['bytes_bf16'] / 1e9:.1f} GB, "
+            f"built {model['build_s']:.1f} s, saved {model['save_s']:.1f} s")
+        write_calibration(calib, args.calib_size)
+        base = launch_argv(hf, pattern, model, calib, runs_root, job, args, ["stages.vllm_smoke.enabled=false"])
+        log("  " + " ".join(base))
+        t = time.perf_counter()
+        with GpuMemorySampler() as mem:
+            p = subprocess.run(base, cwd=REPO_ROOT, capture_output=True, text=True, timeout=args.timeout)
+        wall = time.perf_counter() - t
+        runs = sorted(glob.glob(os.path.join(runs_root, job, "*")), key=os.path.getmtime)
+        entry = {"spec": spec, "model": model, "launch_wall_s": wall, "exit": p.returncode,
+                 "peak_gpu_memory_mib": mem.peak_mib}
+        if p.returncode != 0:
+            entry["error_tail"] = (p.stdout[-2000:] + "\n" + p.stderr[-3000:])
+        if runs:
+            entry["run_dir"] = runs[-1]
+            entry["stages"] = read_stage_figures(runs[-1])
+            entry.update(derived(entry["stages"], model))
+    if args.vllm and entry["exit"] == 0:
+        entry["vllm_smoke"] = serve_with_vllm(base, entry["run_dir"], args)
     return entry
 
 
@@ -211,7 +268,7 @@ def table(results: list[dict]) -> str:
         rows.append([r["model"]["pattern"], f"{r['model']['params']['total'] / 1e9:.2f} B", q.get("wall_s"),
                      q.get("calibrate_and_quantize_s"), m.get("wall_s"), m.get("eval_s"), e.get("wall_s"),
                      e.get("export_s"), e.get("verify_s"), f"{r.get('export_params_per_s', 0) / 1e6:.1f}",
-                     f"{r.get('gate_mfu_datasheet', 0):.4f}", r["peak_gpu_memory_mib"], r["exit"]])
+                     f"{r.get('gate_mfu_datasheet', 0):.4f}", r.get("peak_gpu_memory_mib"), r["exit"]])
     return markdown_table(["pattern", "params", "quantize s", "calib+quant s", "gate s", "gate eval s",
                            "export s", "export write s", "verify s", "export M params/s", "gate MFU",
                            "peak GPU MiB", "exit"], rows)
@@ -226,6 +283,10 @@ def main(argv=None) -> int:
     ap.add_argument("--calib-len", type=int, default=512)
     ap.add_argument("--fraction", type=float, default=0.01)
     ap.add_argument("--timeout", type=int, default=900, help="per launch, seconds")
+    ap.add_argument("--work", help="folder for the models and runs (default: a new temporary one); a pattern "
+                    "whose run completed there is reused, not rebuilt")
+    ap.add_argument("--vllm", metavar="PYTHON", help="then serve each export with vLLM (the smoke, offline "
+                    "mode, this interpreter) by launch --resume, and report its verdict or vLLM's error")
     ap.add_argument("overrides", nargs="*", help="extra launch overrides")
     args = ap.parse_args(argv)
     card = read_card()
@@ -233,7 +294,8 @@ def main(argv=None) -> int:
     for s in specs:                          # refuse a bad spec before building anything
         resolve_pattern(s, card["hybrid_override_pattern"])
     doc = {"benchmark": "nano_width", "card": os.path.relpath(CARD, REPO_ROOT), "args": vars(args), "results": []}
-    work = tempfile.mkdtemp(prefix="bench-nano-")
+    work = args.work or tempfile.mkdtemp(prefix="bench-nano-")
+    os.makedirs(work, exist_ok=True)
     for spec in specs:
         doc["results"].append(run_pattern(spec, card, work, args))
         write_json(args.out, {**doc, "complete": False})

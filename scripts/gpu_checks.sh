@@ -38,12 +38,16 @@
 #                ($VLLM_CASES picks cases: qwen-nvfp4 qwen-fp8 nemotron-nvfp4; $VLLM_OFFLINE_CASES those of
 #                them that also run offline, default all; VLLM_PIPELINE_ONLY=1 runs only quantize, gate
 #                and export of each case, and a later call's `vllm` part resumes those runs with the smoke;
-#                $VLLM_OVERRIDES adds launcher overrides without spaces, e.g. cases run side by side on one
-#                GPU with stages.vllm_smoke.extra_args=[--gpu-memory-utilization,0.28])
+#                $VLLM_OVERRIDES adds launcher overrides without spaces; VLLM_PARALLEL=1 runs the cases side
+#                by side on one GPU, e.g. with stages.vllm_smoke.extra_args=[--gpu-memory-utilization,0.28])
 #   nano         benchmarks/nano_width.py: a random NemotronH with the Nano card's widths, pattern
 #                $NANO_PATTERNS (default MEM*E; a number N = the card's first N layers), through the
 #                Nano example at world size 1: per-stage breakdown, peak GPU memory, export
-#                throughput, gate MFU (needs .bench/qwen-tokenizer and .bench/mmlu)
+#                throughput, gate MFU (needs .bench/qwen-tokenizer and .bench/mmlu); models and runs
+#                stay in /tmp/nano-work for a later call on this host
+#   nano-vllm    the same (a pattern whose run completed in /tmp/nano-work is reused, not rerun), then
+#                the vLLM smoke on each export (offline mode; needs vllm-install first): its verdict or
+#                vLLM's own error
 #   nemotron     Nemotron-H on cuda with mamba_ssm's triton kernels (its wheel carried in .whl):
 #                pytest tests/test_gpu_nemotron_h.py (logits vs transformers), then the tiny
 #                NemotronH example end to end at world size 1 (needs the tiny build under
@@ -54,7 +58,7 @@
 # CUDA extensions (FP8 fake quant) build into /tmp/torch_ext; REPORT_DIR/torch_ext.tgz keeps the
 # build, and a .gpu-cache/torch_ext.tgz carried next time is unpacked first (no rebuild).
 set -uo pipefail
-out=${1:?usage: gpu_checks.sh REPORT_DIR [all|all:1|all:2] [tests] [pipeline] [pipeline-fp8] [cpu-on-gpu] [gate] [bench-smoke] [bench] [bench-quick] [probe] [cost] [cost-large] [nano] [nemotron] [vllm-install] [vllm]}
+out=${1:?usage: gpu_checks.sh REPORT_DIR [all|all:1|all:2] [tests] [pipeline] [pipeline-fp8] [cpu-on-gpu] [gate] [bench-smoke] [bench] [bench-quick] [probe] [cost] [cost-large] [nano] [nano-vllm] [nemotron] [vllm-install] [vllm]}
 shift
 parts=${*:-tests pipeline}
 half1="tests pipeline pipeline-fp8 probe"
@@ -89,6 +93,40 @@ for t in .bench/*.tgz; do [ -f "$t" ] && mkdir -p /tmp/bench && tar -C /tmp/benc
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$out/parts.txt"
 python3 -c "import torch, megatron.core, modelopt; print('torch', torch.__version__, 'mcore', megatron.core.__version__, 'modelopt', modelopt.__version__)" | tee -a "$out/parts.txt"
 python3 -c "import importlib.metadata as m, importlib.util as u; print('versions', *[f'{n}={m.version(n) if u.find_spec(n.replace(chr(45), chr(95))) else None}' for n in ('transformers', 'triton', 'mamba_ssm')])" | tee -a "$out/parts.txt"
+# one case of the vllm part: its pipeline (VLLM_PIPELINE_ONLY=1), or its smoke in server then offline
+# mode (resuming the case's run when an earlier call made one); VLLM_PARALLEL=1 runs the cases side by side
+vllm_case() {
+  local name=$1 out=$2 root=$3 example=$4; shift 4
+  local rc=0 run common
+  common="executor.device=cuda stages.quantize.parallel={ep:1,world_size:1} stages.mmlu.parallel={ep:1,world_size:1}
+          stages.export.parallel={pp:1,world_size:1} stages.vllm_smoke.enabled=true
+          stages.vllm_smoke.python=$root/scripts/vllm_site_python stages.vllm_smoke.on_unsupported=fail
+          stages.vllm_smoke.startup_timeout_s=${VLLM_STARTUP_TIMEOUT_S:-240} ${VLLM_OVERRIDES:-}"
+  run=$(ls -d /tmp/gpu-runs-vllm/*/$name 2>/dev/null | head -1)
+  if [ "${VLLM_PIPELINE_ONLY:-0}" = 1 ]; then   # quantize, gate, export now; the smoke by a later call's --resume
+    [ -n "$run" ] && return 0
+    timeout 300 python3 -m launcher.cli $example/megatron_lm_ptq.yaml $common "$@" stages.vllm_smoke.enabled=false \
+      --run-id $name runs_root=/tmp/gpu-runs-vllm > "$out/vllm-$name-pipeline.log" 2>&1
+    rc=$?; tail -5 "$out/vllm-$name-pipeline.log"; return $rc
+  fi
+  local from
+  if [ -n "$run" ]; then from=(--resume "$run"); else from=(--run-id "$name"); fi
+  timeout "${VLLM_CASE_TIMEOUT_S:-420}" python3 -m launcher.cli $example/megatron_lm_ptq.yaml $common "$@" \
+    stages.vllm_smoke.mode=server "${from[@]}" runs_root=/tmp/gpu-runs-vllm > "$out/vllm-$name-server.log" 2>&1 || rc=1
+  tail -5 "$out/vllm-$name-server.log"
+  run=$(ls -d /tmp/gpu-runs-vllm/*/$name 2>/dev/null | head -1)
+  [ -n "$run" ] || return 1
+  cp "$run/vllm_smoke/responses.json" "$out/vllm-$name-server.json" 2>/dev/null
+  cp "$run/vllm_smoke/skip.json" "$out/vllm-$name-skip.json" 2>/dev/null
+  cp "$run/vllm_smoke/log.txt" "$out/vllm-$name-server-engine.log" 2>/dev/null
+  case " ${VLLM_OFFLINE_CASES-${VLLM_CASES:-qwen-nvfp4 qwen-fp8 nemotron-nvfp4}} " in *" $name "*) ;; *) return $rc ;; esac
+  timeout "${VLLM_CASE_TIMEOUT_S:-300}" python3 -m launcher.cli $example/megatron_lm_ptq.yaml $common "$@" \
+    stages.vllm_smoke.mode=offline --resume "$run" runs_root=/tmp/gpu-runs-vllm > "$out/vllm-$name-offline.log" 2>&1 || rc=1
+  tail -5 "$out/vllm-$name-offline.log"
+  cp "$run/vllm_smoke/responses.json" "$out/vllm-$name-offline.json" 2>/dev/null
+  cp "$run/vllm_smoke/log.txt" "$out/vllm-$name-offline-engine.log" 2>/dev/null
+  return $rc
+}
 status=0
 for part in $parts; do
   t0=$(date +%s)
@@ -148,37 +186,20 @@ for part in $parts; do
       rc=0
       declare -A examples=([qwen-nvfp4]="examples/tiny/Qwen3-MoE-tiny" [qwen-fp8]="examples/tiny/Qwen3-MoE-tiny recipe=fp8_default"
                            [nemotron-nvfp4]="examples/tiny/NemotronH-MoE-tiny")
+      pids=()
       for name in ${VLLM_CASES:-qwen-nvfp4 qwen-fp8 nemotron-nvfp4}; do
-        set -- ${examples[$name]}; example=$1; shift
-        common="executor.device=cuda stages.quantize.parallel={ep:1,world_size:1} stages.mmlu.parallel={ep:1,world_size:1}
-                stages.export.parallel={pp:1,world_size:1} stages.vllm_smoke.enabled=true
-                stages.vllm_smoke.python=$root/scripts/vllm_site_python stages.vllm_smoke.on_unsupported=fail
-                stages.vllm_smoke.startup_timeout_s=${VLLM_STARTUP_TIMEOUT_S:-240} ${VLLM_OVERRIDES:-}"
-        run=$(ls -d /tmp/gpu-runs-vllm/*/$name 2>/dev/null | head -1)
-        if [ "${VLLM_PIPELINE_ONLY:-0}" = 1 ]; then   # quantize, gate, export now; the smoke by a later call's --resume
-          [ -n "$run" ] && continue
-          timeout 300 python3 -m launcher.cli $example/megatron_lm_ptq.yaml $common "$@" stages.vllm_smoke.enabled=false \
-            --run-id $name runs_root=/tmp/gpu-runs-vllm 2>&1 | tee "$out/vllm-$name-pipeline.log" || rc=1
-          continue
+        if [ "${VLLM_PARALLEL:-0}" = 1 ]; then
+          vllm_case "$name" "$out" "$root" ${examples[$name]} & pids+=($!)
+        else
+          vllm_case "$name" "$out" "$root" ${examples[$name]} || rc=1
         fi
-        if [ -n "$run" ]; then from=(--resume "$run"); else from=(--run-id "$name"); fi
-        timeout "${VLLM_CASE_TIMEOUT_S:-420}" python3 -m launcher.cli $example/megatron_lm_ptq.yaml $common "$@" \
-          stages.vllm_smoke.mode=server "${from[@]}" runs_root=/tmp/gpu-runs-vllm 2>&1 | tee "$out/vllm-$name-server.log" || rc=1
-        run=$(ls -d /tmp/gpu-runs-vllm/*/$name 2>/dev/null | head -1)
-        [ -n "$run" ] || { rc=1; continue; }
-        cp "$run/vllm_smoke/responses.json" "$out/vllm-$name-server.json" 2>/dev/null
-        cp "$run/vllm_smoke/skip.json" "$out/vllm-$name-skip.json" 2>/dev/null
-        cp "$run/vllm_smoke/log.txt" "$out/vllm-$name-server-engine.log" 2>/dev/null
-        case " ${VLLM_OFFLINE_CASES-${VLLM_CASES:-qwen-nvfp4 qwen-fp8 nemotron-nvfp4}} " in *" $name "*) ;; *) continue ;; esac
-        timeout "${VLLM_CASE_TIMEOUT_S:-300}" python3 -m launcher.cli $example/megatron_lm_ptq.yaml $common "$@" stages.vllm_smoke.mode=offline \
-          --resume "$run" runs_root=/tmp/gpu-runs-vllm 2>&1 | tee "$out/vllm-$name-offline.log" || rc=1
-        cp "$run/vllm_smoke/responses.json" "$out/vllm-$name-offline.json" 2>/dev/null
-        cp "$run/vllm_smoke/log.txt" "$out/vllm-$name-offline-engine.log" 2>/dev/null
       done
+      for pid in "${pids[@]}"; do wait "$pid" || rc=1; done
       (exit $rc) ;;
-    nano)
-      timeout "${NANO_TIMEOUT_S:-560}" python3 benchmarks/nano_width.py --out "$out/nano_width.json" \
-        --patterns "${NANO_PATTERNS:-MEM*E}" --timeout "${NANO_TIMEOUT_S:-560}" 2>&1 | tee "$out/nano.log" ;;
+    nano|nano-vllm)
+      vllm_arg=(); [ "$part" = nano-vllm ] && vllm_arg=(--vllm "$root/scripts/vllm_site_python")
+      timeout "${NANO_TIMEOUT_S:-560}" python3 benchmarks/nano_width.py --out "$out/$part.json" --work /tmp/nano-work \
+        --patterns "${NANO_PATTERNS:-MEM*E}" --timeout "${NANO_TIMEOUT_S:-560}" "${vllm_arg[@]}" 2>&1 | tee "$out/$part.log" ;;
     nemotron)
       GPU_REPORT_DIR=$out timeout 240 python3 -m pytest -m gpu -p no:cacheprovider -s -q \
         tests/test_gpu_nemotron_h.py 2>&1 | tee "$out/nemotron_tests.log"
@@ -192,7 +213,7 @@ for part in $parts; do
       [ -n "$run" ] && tar -C "$run" -czf "$out/nemotron_run.tgz" --exclude='checkpoint*' --exclude='hf' \
         --exclude='*.safetensors' . ;
       [ "$rc_tests" = 0 ] && (exit $rc) ;;
-    *) echo "unknown part '$part' (valid: all all:1 all:2 all:3 tests pipeline pipeline-fp8 cpu-on-gpu gate bench-smoke bench bench-quick probe cost cost-large nano nemotron vllm-install vllm)"; exit 2 ;;
+    *) echo "unknown part '$part' (valid: all all:1 all:2 all:3 tests pipeline pipeline-fp8 cpu-on-gpu gate bench-smoke bench bench-quick probe cost cost-large nano nano-vllm nemotron vllm-install vllm)"; exit 2 ;;
   esac
   rc=$?   # pipefail: the status of the part's command, not of tee
   echo "== $part: exit $rc in $(( $(date +%s) - t0 )) s" | tee -a "$out/parts.txt"
