@@ -7,8 +7,8 @@ PYTEST_ARGS ?=
 
 .PHONY: demo demo-nemotron demo-report test venv vllm-env slurm chromium tiny tiny-qwen tiny-nemotron test-vllm test-fast clean-runs
 
-venv: $(VENV)/.setup-done-v3
-$(VENV)/.setup-done-v3: pyproject.toml scripts/setup_venv.sh
+venv: $(VENV)/.setup-done-v4
+$(VENV)/.setup-done-v4: pyproject.toml scripts/setup_venv.sh
 	PYTHON=$(PY) bash scripts/setup_venv.sh
 
 vllm-env:
@@ -26,10 +26,10 @@ tiny: venv
 	$(MAKE) -j2 tiny-qwen tiny-nemotron
 
 tiny-qwen: venv
-	$(VENV)/bin/python -m launcher.tiny --model Qwen3-MoE-tiny
+	$(VENV)/bin/python -m launcher_testing.tiny --model Qwen3-MoE-tiny
 
 tiny-nemotron: venv
-	$(VENV)/bin/python -m launcher.tiny --model NemotronH-MoE-tiny
+	$(VENV)/bin/python -m launcher_testing.tiny --model NemotronH-MoE-tiny
 
 demo: venv tiny-qwen
 	$(VENV)/bin/launch examples/tiny/Qwen3-MoE-tiny/megatron_lm_ptq.yaml

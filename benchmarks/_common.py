@@ -1,6 +1,6 @@
 """Helpers shared by the benchmark scripts (not product code; nothing here is imported by launcher/).
 
-* ``run_on_ranks`` - re-exported from ``tests/distributed_utils.py``: run ``module:function`` on
+* ``run_on_ranks`` - re-exported from ``launcher_testing.ranks``: run ``module:function`` on
   N local gloo ranks as subprocesses, collect each rank's JSON result; kill the ranks on timeout.
 * ``single_rank_env`` - the env:// variables for a world of one inside this process.
 * ``write_random_qwen3_moe`` / ``write_model_dir`` - HF checkpoint dirs (config.json + tokenizer
@@ -27,12 +27,11 @@ MMLU_JSONL = os.path.join(BENCH_DIR, "mmlu", "test.jsonl")
 MMLU_HF_DIR = os.path.join(BENCH_DIR, "mmlu_hf")
 QWEN_TOKENIZER = os.path.join(BENCH_DIR, "qwen-tokenizer")
 
-for _path in (REPO_ROOT, os.path.join(REPO_ROOT, "tests")):
-    if _path not in sys.path:
-        sys.path.insert(0, _path)
+if REPO_ROOT not in sys.path:
+    sys.path.insert(0, REPO_ROOT)
 
 # The rank launcher the tests use (N gloo ranks as subprocesses, timeout, per-rank JSON results).
-from distributed_utils import free_port, run_on_ranks  # noqa: E402,F401
+from launcher_testing.ranks import free_port, run_on_ranks  # noqa: E402,F401
 
 
 # ----------------------------------------------------------------------------------- processes
@@ -79,8 +78,8 @@ def write_model_dir(out: str, config: dict, tokenizer_dir: str) -> str:
 
 
 def train_small_tokenizer(out: str, texts: Sequence[str], vocab: int = 1024) -> str:
-    """The tiny model's BPE tokenizer recipe (launcher.tiny.tokenizer) trained on ``texts``."""
-    from launcher.tiny.tokenizer import train_tokenizer
+    """The tiny model's BPE tokenizer recipe (launcher_testing.tiny.tokenizer) trained on ``texts``."""
+    from launcher_testing.tiny.tokenizer import train_tokenizer
 
     tok = train_tokenizer(texts, vocab)
     tok.save_pretrained(out)
@@ -92,29 +91,17 @@ def write_random_qwen3_moe(out: str, tokenizer_dir: str, hidden: int = 128, laye
                            top_k: int = 2, moe_ffn: int = 128, seed: int = 0,
                            max_positions: int = 4096) -> str:
     """A random Qwen3-MoE HF checkpoint (fp32 safetensors) with the tokenizer of ``tokenizer_dir``."""
-    import torch
     import transformers
+
+    from launcher_testing.checkpoints import write_qwen3_moe_weights
 
     copy_tokenizer(tokenizer_dir, out)
     tok = transformers.AutoTokenizer.from_pretrained(out)
     vocab = ((len(tok) + 127) // 128) * 128
     eos = tok.eos_token_id if tok.eos_token_id is not None else 0
-    config = transformers.Qwen3MoeConfig(
-        vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-        num_key_value_heads=kv_heads, head_dim=head_dim, intermediate_size=4 * hidden,
-        moe_intermediate_size=moe_ffn, num_experts=experts, num_experts_per_tok=top_k,
-        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
-        max_position_embeddings=max_positions, rms_norm_eps=1e-6, rope_theta=10000.0,
-        tie_word_embeddings=False, hidden_act="silu", eos_token_id=eos, pad_token_id=eos,
-        bos_token_id=None)
-    torch.manual_seed(seed)
-    model = transformers.Qwen3MoeForCausalLM(config).float().eval()
-    with torch.no_grad():  # wider than the 0.02 default so the four choice logits differ visibly
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.08)
-    model.save_pretrained(out)
-    return out
+    return write_qwen3_moe_weights(out, vocab, eos, hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads,
+                                   head_dim=head_dim, ffn=4 * hidden, moe_ffn=moe_ffn, experts=experts,
+                                   top_k=top_k, max_positions=max_positions, seed=seed)
 
 
 def read_stage_figures(run_dir: str) -> dict:

@@ -4,7 +4,7 @@
 
 What runs: the product path (``launcher.mmlu.prepared.prepare`` -> ``launcher.mmlu.evaluate.
 evaluate_model``: shard plan, desync guard, Megatron-Core forward, gather on rank 0) on the tiny
-Qwen3-MoE (``launcher.tiny.ensure_tiny_model()``: its hf/ and mmlu/test.jsonl) - or, with
+Qwen3-MoE (``launcher_testing.tiny.ensure_tiny_model()``: its hf/ and mmlu/test.jsonl) - or, with
 ``--model random`` (or when the tiny build is absent and ``--model auto``), a random tiny
 Qwen3-MoE checkpoint with the tiny tokenizer recipe trained on MMLU text, evaluated on a
 ``--fraction`` of the real MMLU test split (.bench/mmlu/test.jsonl).
@@ -100,15 +100,15 @@ def worker(hf_path: str, dataset: str, fraction: float, batch_size: int, max_bat
 def resolve_model(kind: str, work: str, fraction: float):
     """(hf_path, dataset jsonl, description)."""
     if kind in ("auto", "tiny"):
-        from launcher.tiny.build import Recipe, default_dir, is_current
+        from launcher_testing.tiny.build import Recipe, default_dir, is_current
 
         d = default_dir()
         if kind == "tiny" or is_current(d, Recipe()):
-            from launcher.tiny.build import ensure_tiny_model
+            from launcher_testing.tiny.build import ensure_tiny_model
 
             d = ensure_tiny_model()
             return str(d / "hf"), str(d / "mmlu" / "test.jsonl"), 1.0, f"tiny Qwen3-MoE ({d})"
-        log("the tiny model is not built (launcher.tiny.ensure_tiny_model); using a random tiny "
+        log("the tiny model is not built (launcher_testing.tiny.ensure_tiny_model); using a random tiny "
             "Qwen3-MoE on real MMLU (--model tiny builds it)")
     rows = read_jsonl(MMLU_JSONL)
     tok_dir = os.path.join(work, "tok")

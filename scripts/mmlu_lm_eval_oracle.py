@@ -2,7 +2,7 @@
 
     .venv/bin/python -m pip install lm-eval==0.4.13      # this script only; CI never needs it
     .venv/bin/python scripts/mmlu_lm_eval_oracle.py --mmlu ../shared/data/mmlu/test.jsonl \\
-        --model "$(.venv/bin/python -m launcher.models smollm2)" --out tests/golden/smollm2_mmlu_lm_eval.json
+        --model "$(.venv/bin/python -m launcher_testing.models smollm2)" --out tests/golden/smollm2_mmlu_lm_eval.json
 
 Split: the shared file is MMLU's test split only, so per subject (file order) the first 5
 questions are the dev split (few-shot examples) and the rest are test questions.  Sets: 0-shot,

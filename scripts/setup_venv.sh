@@ -5,7 +5,7 @@ set -euo pipefail
 VENV=${VENV:-.venv}
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
-STAMP="$VENV/.setup-done-v3"
+STAMP="$VENV/.setup-done-v4"
 if [[ -f "$STAMP" ]]; then exit 0; fi
 echo "[setup] creating $VENV (one time, ~3-5 min)"
 "$PY" -m venv "$VENV"
@@ -21,7 +21,7 @@ $PIP install -q --ignore-requires-python --no-deps --no-binary megatron-core meg
 # writer) are undeclared runtime deps; triton is imported unconditionally by megatron.core 0.19.2.
 $PIP install -q nvidia-modelopt==0.47.0 'transformers>=4.57,<5.15' safetensors tokenizers \
     datasets requests psutil triton
-# gguf + accelerate: transformers' GGUF loader (python -m launcher.models smollm2 converts a PyPI GGUF).
+# gguf + accelerate: transformers' GGUF loader (python -m launcher_testing.models smollm2 converts a PyPI GGUF).
 $PIP install -q gguf==0.19.0 accelerate==1.16.0
 # mamba_ssm (Nemotron-H's Mamba-2 mixer) without its CUDA extension: its triton kernels and
 # pure-torch references are Python; `import mamba_ssm` is made to work without the extension in

@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from distributed_utils import REPO_ROOT, run_on_ranks
+from launcher_testing.ranks import REPO_ROOT, run_on_ranks
 
 RELOAD_TOLERANCE = 1e-5   # max |logits(reloaded) - logits(before save)|, fp32
 

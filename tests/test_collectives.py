@@ -1,7 +1,7 @@
 """launcher/megatron/collectives.py on 3 real gloo ranks (torch.distributed, CPU), and in one process."""
 import pytest
 
-from distributed_utils import run_on_ranks
+from launcher_testing.ranks import run_on_ranks
 
 pytestmark = pytest.mark.torch
 

@@ -16,7 +16,7 @@ import os
 
 import pytest
 
-from distributed_utils import run_on_ranks
+from launcher_testing.ranks import run_on_ranks
 
 RECIPES = ("none", "NVFP4_DEFAULT_CFG", "FP8_DEFAULT_CFG")
 

@@ -3,7 +3,7 @@ the export stage reloads it at PP4, exports through ModelOpt and verifies the re
 
 One subprocess launch per recipe runs both stages in each rank process (quantize at EP4, then
 Megatron's groups are rebuilt at PP4 for export), which saves a second start-up (~20 s of
-imports per rank on this machine).  The tiny model of ``python -m launcher.tiny`` is used when
+imports per rank on this machine).  The tiny model of ``python -m launcher_testing.tiny`` is used when
 it is built; otherwise a random 4-layer Qwen3-MoE (same shape family).
 """
 from __future__ import annotations
@@ -13,7 +13,8 @@ import os
 
 import pytest
 
-from distributed_utils import run_on_ranks, write_tiny_qwen3_moe
+from launcher_testing.checkpoints import write_tiny_qwen3_moe
+from launcher_testing.ranks import run_on_ranks
 
 pytestmark = pytest.mark.torch   # quantize and export on 4 gloo ranks
 

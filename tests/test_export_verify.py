@@ -13,7 +13,8 @@ import shutil
 
 import pytest
 
-from distributed_utils import run_on_ranks, write_tiny_qwen3_moe
+from launcher_testing.checkpoints import write_tiny_qwen3_moe
+from launcher_testing.ranks import run_on_ranks
 
 NUM_LAYERS, NUM_EXPERTS = 2, 8
 

@@ -18,7 +18,8 @@ import os
 
 import pytest
 
-from distributed_utils import hf_logits, run_on_ranks, write_tiny_nemotron_h
+from launcher_testing.checkpoints import hf_logits, write_tiny_nemotron_h
+from launcher_testing.ranks import run_on_ranks
 
 pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch")

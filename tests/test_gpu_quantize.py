@@ -28,7 +28,8 @@ torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")]
 
-from distributed_utils import run_on_ranks, write_tiny_qwen3_moe  # noqa: E402
+from launcher_testing.checkpoints import write_tiny_qwen3_moe  # noqa: E402
+from launcher_testing.ranks import run_on_ranks  # noqa: E402
 
 E2M1_MAX, E4M3_MAX = 6.0, 448.0
 

@@ -1,7 +1,8 @@
 """The launcher's imports go one way: down the layers, and never around a cycle of packages.
 
 Read with ``ast`` only (nothing is imported): every ``import`` of a launcher module counts,
-module-level ones, lazy ones inside functions, and those under ``if TYPE_CHECKING:``.  A *unit*
+module-level ones, lazy ones inside functions, those under ``if TYPE_CHECKING:``, and
+``importlib.import_module("...")`` / ``__import__("...")`` of a literal name.  A *unit*
 is a top-level module (``launcher.paths``) or a top-level package (``launcher.mmlu``, with all its
 modules).  Layers, bottom to top (``LAYERS``):
 
@@ -9,15 +10,15 @@ modules).  Layers, bottom to top (``LAYERS``):
               the schema and its rules, the config.json reader, what a rank reads from Slurm's
               environment (slurm_env: the sbatch renderer, the worker and megatron.dist share it)
   libraries   the torch side, the gate's libraries, executors, export, vLLM, the report, run
-              directories; also ``launcher.tiny`` and ``launcher.models``, the test fixtures that
-              still live in the product: they import only vocabulary and libraries, and nothing
-              but tests imports them, so the libraries' layer holds them without an exception
+              directories
   stages      the stage implementations and the pre-start checks
   services    config composition and validation, the worker, the pipeline, the suite, the CLI
 
 The rules: no import goes to a higher layer; no two units import each other, directly or
 through others (the unit graph has no strongly connected component of two or more units); every
-unit has a layer (a new top-level module or package must be placed in ``LAYERS``).
+unit has a layer (a new top-level module or package must be placed in ``LAYERS``); and the product
+never imports the test fixtures (``FIXTURES``: ``launcher_testing``, the tiny model builds, the
+SmolLM2 build, the rank helpers), which sit above all of it: tests and benchmarks import both.
 """
 from __future__ import annotations
 
@@ -30,11 +31,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("vocabulary", ("contract", "topology", "formats", "architectures", "paths", "schema", "schema_rules", "hf_config",
                     "slurm_env")),
-    ("libraries", ("executors", "export", "megatron", "mmlu", "quant", "vllm", "report", "rundir", "hold",
-                   "tiny", "models")),
+    ("libraries", ("executors", "export", "megatron", "mmlu", "quant", "vllm", "report", "rundir", "hold")),
     ("stages", ("stages", "preflight")),
     ("services", ("config", "worker", "pipeline", "suite", "cli")),
 )
+FIXTURES: tuple[str, ...] = ("launcher_testing",)   # top-level packages the product never imports
 
 
 def sources(root: str, package: str = "launcher") -> dict[str, str]:
@@ -66,6 +67,11 @@ def imports(module: str, source: str, is_package: bool = False) -> list[tuple[in
                 parts = parts[: len(parts) - node.level + 1]
                 base = ".".join(parts + ([base] if base else []))
             out += [(node.lineno, f"{base}.{a.name}") for a in node.names]
+        elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+              and isinstance(node.args[0].value, str)
+              and ((isinstance(node.func, ast.Attribute) and node.func.attr == "import_module")
+                   or (isinstance(node.func, ast.Name) and node.func.id in ("import_module", "__import__")))):
+            out.append((node.lineno, node.args[0].value))
     return out
 
 
@@ -126,9 +132,15 @@ def components(nodes: Iterable[str], edges: Mapping[str, set[str]]) -> list[list
     return out
 
 
-def violations(mods: Mapping[str, tuple[str, bool]], layers=LAYERS, package: str = "launcher") -> list[str]:
+def violations(mods: Mapping[str, tuple[str, bool]], layers=LAYERS, package: str = "launcher",
+               fixtures: tuple[str, ...] = FIXTURES) -> list[str]:
     """Every broken rule, one line each, naming the module, the line and the target."""
     out = []
+    for module, (source, is_package) in sorted(mods.items()):
+        for line, target in imports(module, source, is_package):
+            if target.split(".")[0] in fixtures:
+                out.append(f"fixture import: {module}:{line} imports {target} "
+                           f"(the product never imports {target.split('.')[0]})")
     units = sorted({u for m in mods if (u := unit_of(m, package))})
     for u in units:
         if layer_of(u, layers) is None:
@@ -176,6 +188,22 @@ def test_the_checker_reports_an_upward_import_and_a_cycle():
     assert len(problems) == 3, problems
     assert not violations({"launcher.paths": ("import os\n", False),
                            "launcher.config": ("from launcher.paths import cache_dir\n", True)})
+
+
+def test_the_checker_reports_a_fixture_import():
+    mods = {
+        "launcher.paths": ("def f():\n    from launcher_testing.tiny import ensure_tiny_model\n", False),
+        "launcher.mmlu": ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import launcher_testing.ranks\n",
+                          True),
+        "launcher.cli": ("import importlib\nimportlib.import_module('launcher_testing.models')\n", False),
+        "launcher.config": ("import launcher_testing_other\nfrom launcher.paths import cache_dir\n", True),
+    }
+    why = "(the product never imports launcher_testing)"
+    assert violations(mods) == [
+        f"fixture import: launcher.cli:2 imports launcher_testing.models {why}",
+        f"fixture import: launcher.mmlu:3 imports launcher_testing.ranks {why}",
+        f"fixture import: launcher.paths:2 imports launcher_testing.tiny.ensure_tiny_model {why}",
+    ]
 
 
 if __name__ == "__main__":   # print the current problems (what the first test asserts is empty)

@@ -11,7 +11,8 @@ import os
 
 import pytest
 
-from distributed_utils import hf_logits, run_on_ranks
+from launcher_testing.checkpoints import hf_logits
+from launcher_testing.ranks import run_on_ranks
 
 LOGITS_TOLERANCE = 1e-4   # fp32, max |megatron - transformers|
 

@@ -16,7 +16,8 @@ import time
 
 import pytest
 
-from distributed_utils import RanksFailed, run_on_ranks, write_tiny_qwen3_moe
+from launcher_testing.checkpoints import write_tiny_qwen3_moe
+from launcher_testing.ranks import RanksFailed, run_on_ranks
 
 SUBJECTS = ("astronomy", "world_religions")
 N_PER_SUBJECT = 13
@@ -277,12 +278,12 @@ def test_modes_and_layouts_match_single_rank(tiny, ref):
 
 
 def built_tiny_model():
-    """launcher.tiny's trained Qwen3-MoE-tiny when it is already built (building trains a model:
+    """launcher_testing.tiny's trained Qwen3-MoE-tiny when it is already built (building trains a model:
     minutes), else None."""
     try:
-        from launcher.tiny import ensure_tiny_model
-        from launcher.tiny.build import default_dir, is_current
-        from launcher.tiny.train import Recipe
+        from launcher_testing.tiny import ensure_tiny_model
+        from launcher_testing.tiny.build import default_dir, is_current
+        from launcher_testing.tiny.train import Recipe
     except ImportError:
         return None
     if not is_current(default_dir(), Recipe()):
@@ -299,7 +300,7 @@ def stage_model(tiny, ref):
         return {**tiny, "over": {}, "ref": ref, "subjects": sorted(SUBJECTS), "name": "random"}
     # zero-shot, like examples/tiny (the tiny model is trained for it)
     hf, data, over = str(build / "hf"), str(build / "mmlu"), {"fraction": 0.1, "few_shots": 0}
-    from launcher.tiny.synthetic_mmlu import SUBJECTS as TINY_SUBJECTS
+    from launcher_testing.tiny.synthetic_mmlu import SUBJECTS as TINY_SUBJECTS
 
     return {"hf": hf, "data": data, "root": tiny["root"], "over": over,
             "ref": reference(hf, data, **over), "subjects": sorted(TINY_SUBJECTS), "name": "tiny"}

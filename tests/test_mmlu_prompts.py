@@ -116,9 +116,9 @@ def test_pure_modules_do_not_import_torch():
 
 @pytest.fixture(scope="module")
 def byte_tokenizer(tmp_path_factory):
-    sys.path.insert(0, __import__("os").path.dirname(__file__))
-    from distributed_utils import write_byte_tokenizer
     from transformers import AutoTokenizer
+
+    from launcher_testing.checkpoints import write_byte_tokenizer
 
     path = str(tmp_path_factory.mktemp("tok"))
     write_byte_tokenizer(path)

@@ -9,7 +9,8 @@ import os
 
 import pytest
 
-from distributed_utils import run_on_ranks, write_tiny_qwen3_moe
+from launcher_testing.checkpoints import write_tiny_qwen3_moe
+from launcher_testing.ranks import run_on_ranks
 
 pytestmark = pytest.mark.torch
 torch = pytest.importorskip("torch")
@@ -130,7 +131,7 @@ def test_nemotron_h_embedding_saved_by_transformers_imports_after_the_fix(tmp_pa
     from safetensors.torch import load_file
 
     import modelopt.torch.export.plugins.megatron_importer as importer
-    from distributed_utils import write_tiny_nemotron_h
+    from launcher_testing.checkpoints import write_tiny_nemotron_h
     from launcher.megatron.modelopt_fixes import apply_modelopt_fixes
 
     path = write_tiny_nemotron_h(str(tmp_path), pattern="M*")

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from distributed_utils import REPO_ROOT, run_on_ranks
+from launcher_testing.ranks import REPO_ROOT, run_on_ranks
 
 needs_mamba_ssm = pytest.mark.skipif(importlib.util.find_spec("mamba_ssm") is None,
                                      reason="mamba_ssm is not installed (scripts/setup_venv.sh installs it)")

@@ -25,7 +25,7 @@ EXAMPLE = os.path.join(ROOT, "examples", "tiny", "NemotronH-MoE-tiny", "megatron
 @pytest.fixture(scope="session")
 def tiny_nemotron_h_dir():
     pytest.importorskip("torch")
-    from launcher.tiny import NEMOTRON_H_NAME, ensure_tiny_model
+    from launcher_testing.tiny import NEMOTRON_H_NAME, ensure_tiny_model
 
     return str(ensure_tiny_model(name=NEMOTRON_H_NAME))
 

@@ -12,7 +12,8 @@ import os
 
 import pytest
 
-from distributed_utils import REPO_ROOT, run_on_ranks, write_byte_tokenizer, write_tiny_qwen3_moe
+from launcher_testing.checkpoints import write_byte_tokenizer, write_tiny_qwen3_moe
+from launcher_testing.ranks import REPO_ROOT, run_on_ranks
 
 NUM_LAYERS, NUM_EXPERTS = 2, 8
 

@@ -64,7 +64,7 @@ def one_rank_fails_worker() -> None:
 @pytest.fixture
 def pool():
     from launcher_testing.rank_pool import RankPool
-    from distributed_utils import free_port
+    from launcher_testing.ranks import free_port
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]),
            "CUDA_VISIBLE_DEVICES": ""}

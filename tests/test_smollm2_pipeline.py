@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from distributed_utils import REPO_ROOT
+from launcher_testing.ranks import REPO_ROOT
 from test_smollm2_layouts import PROMPTS, SCORE_TOLERANCE, _centered, load_golden
 
 pytestmark = pytest.mark.slow

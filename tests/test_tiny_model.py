@@ -12,8 +12,8 @@ pytestmark = pytest.mark.torch
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from launcher.tiny import Recipe, ensure_tiny_model, read_build_info  # noqa: E402
-from launcher.tiny import synthetic_mmlu as sm  # noqa: E402
+from launcher_testing.tiny import Recipe, ensure_tiny_model, read_build_info  # noqa: E402
+from launcher_testing.tiny import synthetic_mmlu as sm  # noqa: E402
 
 # A quick recipe for build-mechanics tests (accuracy is not the point there).
 QUICK = dataclasses.replace(Recipe(), steps=6, n_test=40, n_calib=16, tokenizer_corpus_prompts=100,

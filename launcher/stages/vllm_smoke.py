@@ -29,13 +29,13 @@ import os
 import signal
 import sys
 import threading
-import time
 import dataclasses
 from dataclasses import asdict, dataclass, field
 from typing import Iterator, Optional
 
 from launcher.contract import StageFailed, write_json_atomic
 from launcher.stages.context import StageContext
+from launcher.stages.timings import Timings
 from launcher.vllm import agreement, capability, generation, kernels
 from launcher.vllm.backends import BACKENDS, Backend, Replies, Work
 from launcher.vllm.gate_questions import GateMismatch, GateSet, load_gate_set
@@ -127,19 +127,20 @@ def _show_tail(log_path: str) -> None:
     sys.stderr.flush()
 
 
-def _capability(ctx: StageContext, model_dir: str) -> tuple[dict, capability.QuantInfo, str]:
-    """(capability record, the export's quantization, the vLLM build's device)."""
+def _capability(ctx: StageContext, model_dir: str, timings: Timings) -> tuple[dict, capability.QuantInfo, str]:
+    """(capability record, the export's quantization, the vLLM build's device); the check's seconds
+    go to ``timings["capability_s"]`` and the record's ``check_s``."""
     try:
         quant = capability.read_quant_info(model_dir)
     except capability.ExportConfigError as e:
         raise StageFailed(f"vllm_smoke: no export to serve: {e} (run stages.export first)") from e
     python = vllm_python(ctx.stage_cfg.python)
-    t0 = time.monotonic()
-    platform = probe_platform(python)
-    if platform.vllm_importable and platform.vllm_device == "cuda" and quant.quantized:
-        # vLLM's own minimum capability for this checkpoint (its config class), not a table of ours
-        platform = dataclasses.replace(platform, **probe_quant(python, model_dir))
-    ok, reason = capability.decide(quant, platform, capability.read_model_info(model_dir))
+    with timings.measure("capability_s"):
+        platform = probe_platform(python)
+        if platform.vllm_importable and platform.vllm_device == "cuda" and quant.quantized:
+            # vLLM's own minimum capability for this checkpoint (its config class), not a table of ours
+            platform = dataclasses.replace(platform, **probe_quant(python, model_dir))
+        ok, reason = capability.decide(quant, platform, capability.read_model_info(model_dir))
     ctx.log(f"export {model_dir}: {quant.describe()}; vLLM: {python} -> {reason}")
     return {"ok": ok, "reason": reason, "forced": bool(ctx.stage_cfg.force),
             "quantization": quant.describe(), "python": python,
@@ -147,7 +148,7 @@ def _capability(ctx: StageContext, model_dir: str) -> tuple[dict, capability.Qua
             "gpu_capabilities": [f"{a}.{b}" for a, b in platform.gpu_capabilities],
             "vllm_quant_method": platform.quant_method, "vllm_quant_config": platform.quant_config_class,
             "vllm_min_capability": platform.quant_min_capability,
-            "check_s": round(time.monotonic() - t0, 2)}, quant, platform.vllm_device
+            "check_s": timings["capability_s"]}, quant, platform.vllm_device
 
 
 def _refused(ctx: StageContext, cap: dict, model_dir: str) -> bool:
@@ -214,8 +215,9 @@ def _backend(ctx: StageContext, model_dir: str, python: str, device: str) -> Bac
                              request_timeout_s=float(sc.request_timeout_s), log=ctx.log)
 
 
-def _write(ctx: StageContext, record: SmokeRecord, t_start: float) -> None:
-    record.timings["total_s"] = round(time.monotonic() - t_start, 2)
+def _write(ctx: StageContext, record: SmokeRecord, timings: Timings) -> None:
+    timings.total("total_s")
+    record.timings = dict(timings)   # a plain dict: asdict() would rebuild a Timings empty
     write_json_atomic(ctx.layout.vllm_responses, asdict(record))
 
 
@@ -243,19 +245,19 @@ def _report(ctx: StageContext, record: SmokeRecord) -> None:
 def run(ctx: StageContext) -> None:
     if ctx.rank != 0:
         return
-    t_start = time.monotonic()
+    timings = Timings()
     sc = ctx.stage_cfg
     os.makedirs(ctx.stage_dir, exist_ok=True)
     for stale in (ctx.layout.vllm_responses, ctx.layout.skip(ctx.name)):
         with contextlib.suppress(FileNotFoundError):
             os.remove(stale)
     model_dir = _model_dir(ctx)
-    cap, quant, device = _capability(ctx, model_dir)
+    cap, quant, device = _capability(ctx, model_dir, timings)
     if _refused(ctx, cap, model_dir):
         return
     gate, checks = _inputs(ctx, model_dir)
     record = SmokeRecord(mode=sc.mode, model_dir=model_dir, capability=cap,
-                         criteria=_criteria(ctx, gate, quant), timings={"capability_s": cap["check_s"]})
+                         criteria=_criteria(ctx, gate, quant))
     work = Work(score_prompts=gate.token_ids if gate else (), choice_ids=gate.choice_ids if gate else (),
                 scoring=str(sc.scoring), gen_prompts=checks.token_ids if checks else (),
                 max_tokens=int(sc.max_tokens))
@@ -269,14 +271,14 @@ def run(ctx: StageContext) -> None:
         record.failure, record.vllm_error, record.server = str(e), e.error_line, e.info or None
         record.failures = [record.failure]
         record.kernels = kernels.read_log(backend.log_path)
-        _write(ctx, record, t_start)
+        _write(ctx, record, timings)
         _show_tail(backend.log_path)
         raise StageFailed(f"vllm_smoke: {e}") from e
     record.server, record.kernels = replies.info, kernels.read_log(backend.log_path)
     ctx.log(f"vLLM's kernels ({record.kernels['family']}): {'; '.join(record.kernels['choices']) or 'none stated'}")
-    record.timings.update({k: replies.info.get(k) for k in ("startup_s", "score_s", "generate_s")})
+    timings.update({k: replies.info.get(k) for k in ("startup_s", "score_s", "generate_s")})
     record.judge(gate, checks, replies)
-    _write(ctx, record, t_start)
+    _write(ctx, record, timings)
     _report(ctx, record)
     if not record.passed:
         raise StageFailed(f"vllm_smoke failed: {record.failure} "

@@ -1,4 +1,4 @@
-"""`python -m launcher.tiny [--model NAME|all] [--out DIR] [--force] [--steps N]`: build (or reuse)
+"""`python -m launcher_testing.tiny [--model NAME|all] [--out DIR] [--force] [--steps N]`: build (or reuse)
 a tiny model, print its directory (one line per model)."""
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ import argparse
 import dataclasses
 import sys
 
-from launcher.tiny.build import MODEL_NAME, TINY_MODELS, ensure_tiny_model
+from launcher_testing.tiny.build import MODEL_NAME, TINY_MODELS, ensure_tiny_model
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m launcher.tiny", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m launcher_testing.tiny", description=__doc__)
     p.add_argument("--model", default=MODEL_NAME, choices=sorted(TINY_MODELS) + ["all"],
                    help=f"which tiny model (default {MODEL_NAME}; all: every one)")
     p.add_argument("--out", help="build directory (default: <cache_dir()>/tiny/<model>; one model only)")

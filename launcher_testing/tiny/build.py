@@ -14,25 +14,23 @@ Layout of a build directory (default `<cache_dir()>/tiny/<name>/`):
 A build is reused when build.json's recipe hash equals the current one (the hash covers every
 recipe field, this package's source code and the torch/transformers versions).  Builds run
 under an fcntl lock next to the directory, into a temporary sibling that is renamed into
-place, so concurrent callers build once and nobody ever sees a half-built directory.
+place (``launcher_testing.locked_build``), so concurrent callers build once and nobody ever
+sees a half-built directory.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import fcntl
 import hashlib
 import json
 import os
 import platform
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
-from launcher.tiny.train import Recipe
+from launcher_testing.locked_build import locked_build, read_build_info
+from launcher_testing.tiny.train import Recipe
 
 MODEL_NAME = "Qwen3-MoE-tiny"
 NEMOTRON_H_NAME = "NemotronH-MoE-tiny"
@@ -65,7 +63,7 @@ def recipe_hash(recipe: Recipe) -> str:
     h.update(json.dumps(dataclasses.asdict(recipe), sort_keys=True).encode())
     h.update(f"torch={torch.__version__} transformers={transformers.__version__}".encode())
     # the code, not where its package lives: the package's dotted name is replaced by a placeholder,
-    # so moving the package (launcher.tiny -> launcher_testing.tiny) keeps the builds current
+    # so moving the package keeps the builds current (the sources name no other location of it)
     here = Path(__file__).resolve().parent
     package = __name__.rpartition(".")[0].encode()
     for name in _SOURCES:
@@ -88,29 +86,10 @@ def default_dir(cache_root: str | os.PathLike | None = None, name: str = MODEL_N
     return Path(cache_root).resolve() / "tiny" / name
 
 
-def read_build_info(out_dir: str | os.PathLike) -> dict | None:
-    try:
-        with open(Path(out_dir) / "build.json", encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
-
-
 def is_current(out_dir: str | os.PathLike, recipe: Recipe) -> bool:
     info = read_build_info(out_dir)
     return (info is not None and info.get("recipe_hash") == recipe_hash(recipe)
             and (Path(out_dir) / "hf" / "model.safetensors").is_file())
-
-
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+") as f:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
 def ensure_tiny_model(cache_root: str | os.PathLike | None = None, *, name: str = MODEL_NAME,
@@ -126,30 +105,8 @@ def ensure_tiny_model(cache_root: str | os.PathLike | None = None, *, name: str 
         raise ValueError("give cache_root or out_dir, not both")
     recipe = recipe or _recipe_of(name)
     target = Path(out_dir).resolve() if out_dir is not None else default_dir(cache_root, name)
-    if target.exists() and not target.is_dir():
-        raise ValueError(f"{target} exists and is not a directory")
-    if not force and is_current(target, recipe):
-        return target
-    with _locked(target.parent / f".{target.name}.lock"):
-        if not force and is_current(target, recipe):   # another process built it meanwhile
-            return target
-        # Leftovers of a builder that was killed (only lock holders create these names).
-        for stale in list(target.parent.glob(f".{target.name}.tmp-*")) + list(target.parent.glob(f".{target.name}.old-*")):
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-        try:
-            os.chmod(tmp, 0o755)
-            build_into(tmp, recipe, log, name)
-            old = None
-            if target.exists():
-                old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
-                os.rename(target, old / "d")
-            os.rename(tmp, target)
-            if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    return locked_build(target, lambda: is_current(target, recipe),
+                        lambda tmp: build_into(tmp, recipe, log, name), force=force)
 
 
 def build_into(out: Path, recipe: Recipe, log: Log = _stderr, name: str = MODEL_NAME) -> dict:
@@ -158,9 +115,9 @@ def build_into(out: Path, recipe: Recipe, log: Log = _stderr, name: str = MODEL_
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from launcher.tiny import synthetic_mmlu as sm
-    from launcher.tiny.tokenizer import save_tokenizer, train_tokenizer
-    from launcher.tiny.train import make_config, model_class, score, train
+    from launcher_testing.tiny import synthetic_mmlu as sm
+    from launcher_testing.tiny.tokenizer import save_tokenizer, train_tokenizer
+    from launcher_testing.tiny.train import make_config, model_class, score, train
 
     t0 = time.perf_counter()
     rhash = recipe_hash(recipe)   # of the code that runs now, not of what is on disk at the end

