@@ -251,6 +251,28 @@ def test_error_line_picks_the_last_error():
     assert error_line(["all good"]) is None
 
 
+def test_a_failed_engine_start_names_the_engines_error_not_the_api_servers_wrapper(tmp_path):
+    """The H100 run of 2026-12-05 (benchmarks/results/2026-12-05-h100-vllm-served.json, call 5): the
+    engine's AssertionError sat 60 lines above the log's end, below it vLLM's wrapper "Engine core
+    initialization failed. See root cause above", which the smoke reported as the cause."""
+    from launcher.vllm.procs import log_tail
+    from launcher.vllm.server import VllmError
+
+    engine = ("(EngineCore pid=5653) AssertionError: Error in memory profiling. Initial free memory 77.22 GiB, "
+              "current free memory 77.41 GiB.")
+    wrapper = ("(APIServer pid=5585) RuntimeError: Engine core initialization failed. See root cause above. "
+               "Failed core proc(s): {}")
+    log = tmp_path / "log.txt"
+    log.write_text("\n".join(["INFO start", "(EngineCore pid=5653) Traceback (most recent call last):", engine,
+                               *[f"(APIServer pid=5585)   File \"x.py\", line {i}" for i in range(60)],
+                               wrapper, "INFO exit"]) + "\n")
+    e = VllmError("vLLM server exited with code 1 before it became healthy", str(log), log_tail(str(log)))
+    assert e.error_line == engine
+    assert str(e) == f"vLLM server exited with code 1 before it became healthy - vLLM said: {engine} (log: {log})"
+    assert error_line(log_tail(str(log))) == wrapper          # the 40-line tail alone holds only the wrapper
+    assert error_line([wrapper]) == wrapper                    # a wrapper with no cause above is still named
+
+
 def test_without_vllm_a_format_no_gpu_here_can_serve_names_the_format_first():
     """`make demo` (no .venv-vllm): the skip says NVFP4 needs a CUDA build and a GPU before it says vLLM
     is missing, and how to get the real smoke; an unquantized export keeps the import error alone."""

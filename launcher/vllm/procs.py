@@ -143,13 +143,22 @@ _ERROR_MARKERS = ("Error:", "Error(", "Exception:", "error:", "Illegal instructi
                   "Traceback", "Killed")
 
 
+# vLLM's API server ends a failed engine start with this line; the cause is the engine's own error
+_WRAPPER = "See root cause above"
+
+
 def error_line(lines: Sequence[str]) -> Optional[str]:
-    """The most telling error line of a log tail: the last line naming an error or exception."""
+    """The most telling error line of a log: the last line naming an error or exception, or, when that
+    is vLLM's wrapper ("Engine core initialization failed. See root cause above"), the last error
+    line before it (the engine's own)."""
+    wrapper = None
     for ln in reversed(lines):
         s = ln.strip()
         if any(m in s for m in _ERROR_MARKERS) and not s.startswith("Traceback"):
-            return s
-    return None
+            if _WRAPPER not in s:
+                return s
+            wrapper = wrapper or s
+    return wrapper
 
 
 @atexit.register

@@ -26,7 +26,9 @@ class VllmError(RuntimeError):
                  error: Optional[str] = None, info: Optional[dict] = None):
         self.tail = list(tail)
         self.info = info or {}
-        self.error_line = error or error_line(self.tail)
+        # the engine's error can sit far above the tail (vLLM prints its traceback twice, then the
+        # API server's own): search the log's last 400 lines for it
+        self.error_line = error or error_line(log_tail(log_path, 400) if log_path else self.tail)
         detail = f" - vLLM said: {self.error_line}" if self.error_line else ""
         super().__init__(f"{message}{detail}" + (f" (log: {log_path})" if log_path else ""))
         self.log_path = log_path
