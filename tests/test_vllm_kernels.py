@@ -37,3 +37,11 @@ def test_read_log_of_a_missing_file_is_empty(tmp_path):
     log = tmp_path / "vllm.log"
     log.write_text(NVFP4_LOG)
     assert kernels.read_log(str(log))["family"] == "marlin"
+
+
+def test_only_marlin_is_named_as_not_the_exports_own_precision():
+    """The Nano-width NVFP4 export on an H100 (benchmarks/results/2026-12-05-h100-nano-width.json):
+    served through Marlin, agreement 0.771; the failure says Marlin is weight-only."""
+    assert "weight-only" in kernels.precision_note("marlin")
+    assert [kernels.precision_note(f) for f in ("cutlass", "flashinfer", "triton", "emulation", "unquantized",
+                                                "other")] == [None] * 6

@@ -278,6 +278,10 @@ def run(ctx: StageContext) -> None:
     ctx.log(f"vLLM's kernels ({record.kernels['family']}): {'; '.join(record.kernels['choices']) or 'none stated'}")
     timings.update({k: replies.info.get(k) for k in ("startup_s", "score_s", "generate_s")})
     record.judge(gate, checks, replies)
+    note = kernels.precision_note(record.kernels["family"])
+    if note and record.choices and not record.choices["passed"]:
+        record.failures = [f"{record.failures[0]} ({note})", *record.failures[1:]]
+        record.failure = "; ".join(record.failures)
     _write(ctx, record, timings)
     _report(ctx, record)
     if not record.passed:

@@ -57,3 +57,14 @@ def read_log(path: str) -> dict:
     except FileNotFoundError:
         choices = []
     return {"choices": choices, "family": family(choices)}
+
+
+def precision_note(kernel_family: str) -> str | None:
+    """Why a quantized export's served predictions may differ from the gate's beyond rounding: Marlin
+    (vLLM's kernel for FP4 and FP8 weights on GPUs without native support, e.g. NVFP4 on Hopper) is
+    weight-only, its activations stay in 16 bits, while the gate fake-quantizes activations too.
+    None for the other families (served at the export's own precision, or unquantized)."""
+    if kernel_family == "marlin":
+        return ("vLLM served the quantized weights through Marlin, weight-only (activations in 16 bits), "
+                "while the gate quantized activations too: the export is not served at its own precision here")
+    return None
