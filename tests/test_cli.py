@@ -32,7 +32,7 @@ def test_dry_run_json_nano_plan_without_torch():
         assert {k: stages[name][k] for k in ("world_size", "tp", "pp", "ep", "etp", "cp", "dp", "edp")} == {
             "world_size": 4, "tp": 1, "pp": 1, "ep": 4, "etp": 1, "cp": 1, "dp": 4, "edp": 1}
     assert (stages["export"]["pp"], stages["export"]["ep"], stages["export"]["tp"]) == (4, 1, 1)
-    assert stages["vllm_smoke"]["enabled"] is False and "Blackwell" in stages["vllm_smoke"]["disabled_reason"]
+    assert stages["vllm_smoke"]["enabled"] is True and stages["vllm_smoke"]["world_size"] == 1
 
 
 def test_flags_before_or_after_overrides_give_the_same_plan():

@@ -68,7 +68,8 @@ def test_nano_plan():
     assert cfg.recipe.modelopt_cfg == "NVFP4_DEFAULT_CFG"
     assert cfg.stages.quantize.calib.size == 32 and cfg.stages.quantize.calib.max_seq_len == 4096
     assert cfg.stages.mmlu.fraction == 0.01 and cfg.stages.mmlu.lower_bound == 0.60
-    assert "Blackwell" in cfg.stages.vllm_smoke.disabled_reason
+    assert cfg.stages.vllm_smoke.enabled and cfg.stages.vllm_smoke.mode == "offline"
+    assert cfg.stages.vllm_smoke.tensor_parallel_size == 1
     assert cfg.model.num_experts == 128 and len(cfg.model.hybrid_pattern) == 52
 
 

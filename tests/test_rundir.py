@@ -14,9 +14,12 @@ def test_config_yaml_masks_secrets(tmp_path):
     text = open(run.config_path()).read()
     assert "hf_abcdef" not in text and f"HF_TOKEN: '{MASK}'" in text and "NCCL_DEBUG: INFO" in text
     meta = run.metadata()
-    assert meta["run_id"] == "r1" and meta["stages"]["vllm_smoke"]["status"] == "disabled"
-    assert "Blackwell" in meta["stages"]["vllm_smoke"]["reason"]
+    assert meta["run_id"] == "r1" and meta["stages"]["vllm_smoke"]["status"] == "pending"
     assert run.path == os.path.join(str(tmp_path), cfg.job_name, "r1")
+    off = compose_example(NANO, [f"runs_root={tmp_path}", "stages.vllm_smoke.enabled=false",
+                                 "stages.vllm_smoke.disabled_reason=no vLLM on this cluster"])
+    meta = RunDirectory.create(off, run_id="r2").metadata()
+    assert meta["stages"]["vllm_smoke"] == {"status": "disabled", "reason": "no vLLM on this cluster"}
 
 
 def test_stage_hash_changes_only_downstream():
@@ -86,7 +89,7 @@ def test_manifest_lists_published_outputs_and_verify_outputs_rechecks_them(tmp_p
 
 
 def _node_failed_export(tmp_path, run_id: str):
-    cfg = compose_example(NANO, [f"runs_root={tmp_path}"])
+    cfg = compose_example(NANO, [f"runs_root={tmp_path}", "stages.vllm_smoke.enabled=false"])
     run = RunDirectory.create(cfg, run_id=run_id)
     for s in ("quantize", "mmlu"):
         write_manifest(run.path, cfg, s)
@@ -101,7 +104,7 @@ def test_resume_reverifies_a_stage_whose_job_ended_node_fail_after_its_manifest(
     from launcher.pipeline import stages_to_run
 
     cfg, run, d = _node_failed_export(tmp_path, "r4")
-    assert stages_to_run(cfg, run, resume=True) == []   # vllm_smoke is disabled in this example
+    assert stages_to_run(cfg, run, resume=True) == []   # vllm_smoke is disabled here
     st = run.metadata()["stages"]
     assert (st["quantize"]["status"], st["mmlu"]["status"]) == ("skipped", "skipped")
     assert st["quantize"]["reason"] == "resume: manifest matches the config"
