@@ -192,17 +192,23 @@ def completed_run(runs_root: str, job: str) -> str | None:
     return None
 
 
+def smoke_argv(base: list[str], python: str, run: str) -> list[str]:
+    """The pipeline's ``launch`` argv with the vLLM smoke enabled (offline, ``python`` as vLLM's
+    interpreter, failing where vLLM refuses, no accuracy floor: a random model) resuming ``run``:
+    the other stages' manifests still match, so only the smoke runs."""
+    smoke = ["stages.vllm_smoke.enabled=true", f"stages.vllm_smoke.python={python}",
+             "stages.vllm_smoke.on_unsupported=fail", "stages.vllm_smoke.mode=offline",
+             "stages.vllm_smoke.min_accuracy=0.0"]
+    return [a for a in base if not a.startswith("stages.vllm_smoke.enabled=")] + smoke + ["--resume", run]
+
+
 def serve_with_vllm(base: list[str], run: str, args) -> dict:
     """The vLLM smoke (offline mode, ``--vllm`` interpreter) on the run's export, by ``launch --resume``:
     its verdict, or vLLM's own error when it does not serve the export."""
-    smoke = ["stages.vllm_smoke.enabled=true", f"stages.vllm_smoke.python={args.vllm}",
-             "stages.vllm_smoke.on_unsupported=fail", "stages.vllm_smoke.mode=offline",
-             "stages.vllm_smoke.min_accuracy=0.0"]
-    argv = [a for a in base if not a.startswith("stages.vllm_smoke.enabled=")]
-    cmd = argv[:argv.index(f"executor.device={args.device}")] + smoke + argv[argv.index(f"executor.device={args.device}"):]
-    log("  vLLM: " + " ".join(cmd + ["--resume", run]))
+    cmd = smoke_argv(base, args.vllm, run)
+    log("  vLLM: " + " ".join(cmd))
     t = time.perf_counter()
-    p = subprocess.run(cmd + ["--resume", run], cwd=REPO_ROOT, capture_output=True, text=True, timeout=args.timeout)
+    p = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=args.timeout)
     out = {"exit": p.returncode, "wall_s": time.perf_counter() - t}
     for name in ("responses.json", "skip.json"):
         path = os.path.join(run, "vllm_smoke", name)

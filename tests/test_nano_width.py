@@ -43,3 +43,48 @@ def test_model_has_the_cards_widths_and_counts_its_experts():
     assert counts["routed_experts"] == experts
     assert counts["embedding"] == 151680 * CARD["hidden_size"]
     assert counts["active_non_embedding"] == counts["total"] - counts["embedding"] - experts + experts * 6 // 128
+
+
+def _run(root: Path, name: str, status: str, mtime: int) -> Path:
+    import json
+    import os
+
+    d = root / "nano-width-5" / name
+    d.mkdir(parents=True)
+    (d / "metadata.json").write_text(json.dumps({"status": status}))
+    os.utime(d, (mtime, mtime))
+    return d
+
+
+def test_a_later_call_reuses_the_newest_completed_run(tmp_path):
+    assert nw.completed_run(str(tmp_path), "nano-width-5") is None
+    done = _run(tmp_path, "a", "completed", 100)
+    _run(tmp_path, "b", "failed", 200)
+    (tmp_path / "nano-width-5" / "c").mkdir()                    # no metadata.json: not a run
+    assert nw.completed_run(str(tmp_path), "nano-width-5") == str(done)
+    newer = _run(tmp_path, "d", "completed", 300)
+    assert nw.completed_run(str(tmp_path), "nano-width-5") == str(newer)
+
+
+def test_the_smoke_resumes_the_pipelines_own_launch(tmp_path):
+    """The smoke's launch is the pipeline's, the smoke enabled: the plan it validates has the three
+    stages as the pipeline had them, plus the smoke (offline, on one rank)."""
+    import argparse
+    import json
+    import subprocess
+    import sys
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (tmp_path / "calib.jsonl").write_text('{"text": "a"}\n')
+    args = argparse.Namespace(calib_size=8, calib_len=512, fraction=0.01, device="cuda", overrides=[])
+    base = nw.launch_argv(str(hf), "MEM*E", {"vocab": 151680}, str(tmp_path / "calib.jsonl"),
+                          str(tmp_path / "runs"), "nano-width-5", args, ["stages.vllm_smoke.enabled=false"])
+    cmd = nw.smoke_argv(base, "/opt/vllm/bin/python", "RUN")
+    assert cmd[-2:] == ["--resume", "RUN"] and "stages.vllm_smoke.enabled=false" not in cmd
+    assert cmd.count("stages.vllm_smoke.enabled=true") == 1 and "stages.vllm_smoke.python=/opt/vllm/bin/python" in cmd
+    plan = subprocess.run(cmd[:-2] + ["--dry-run", "--json"], cwd=ROOT, capture_output=True, text=True)
+    assert plan.returncode == 0, plan.stderr
+    stages = {s["name"]: s for s in json.loads(plan.stdout)["stages"]}
+    assert [n for n, s in stages.items() if s["enabled"]] == ["quantize", "mmlu", "export", "vllm_smoke"]
+    assert stages["vllm_smoke"]["world_size"] == 1
