@@ -39,7 +39,10 @@
 #                them that also run offline, default all; VLLM_PIPELINE_ONLY=1 runs only quantize, gate
 #                and export of each case, and a later call's `vllm` part resumes those runs with the smoke;
 #                $VLLM_OVERRIDES adds launcher overrides without spaces; VLLM_PARALLEL=1 runs the cases side
-#                by side on one GPU, e.g. with stages.vllm_smoke.extra_args=[--gpu-memory-utilization,0.28])
+#                by side on one GPU, e.g. with stages.vllm_smoke.extra_args=[--gpu-memory-utilization,0.28];
+#                then an engine that starts while another exits can fail vLLM's memory-profiling
+#                assertion ("other processes ... release GPU memory while vLLM is profiling"): rerun
+#                that case alone, with VLLM_CASES=CASE)
 #   nano         benchmarks/nano_width.py: a random NemotronH with the Nano card's widths, pattern
 #                $NANO_PATTERNS (default MEM*E; a number N = the card's first N layers), through the
 #                Nano example at world size 1: per-stage breakdown, peak GPU memory, export
