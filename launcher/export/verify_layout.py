@@ -331,9 +331,12 @@ def check_names_vs_source(tensors: dict[str, TensorInfo], source: dict[str, Tens
 
 
 def check_tied_embeddings(config: dict, tensors: dict[str, TensorInfo], findings: Findings,
-                          source_config: Optional[dict] = None) -> None:
+                          source_config: Optional[dict] = None, excludes: Optional[list[str]] = None) -> None:
     """Tied embeddings are written once: with ``tie_word_embeddings`` the export holds the
-    embedding and no ``lm_head.weight``; without it, both.  The flag must equal the source's."""
+    embedding and no ``lm_head.weight``; without it, both.  The flag must equal the source's.
+    ``excludes`` (a quantized export's exclude_modules): a tied output layer is the unquantized
+    embedding, so the list must name ``lm_head``, or a server builds it quantized and waits for
+    scales the checkpoint does not hold."""
     text = config.get("text_config") or config
     if "tie_word_embeddings" not in text and "tie_word_embeddings" not in config:
         return   # transformers' per-architecture default applies; nothing to compare
@@ -350,6 +353,10 @@ def check_tied_embeddings(config: dict, tensors: dict[str, TensorInfo], findings
                               f"({', '.join(embeds) or 'none found'}): written twice", heads)
     if not tied and embeds and not heads:
         findings.error("config.json does not tie the embeddings but the export has no lm_head.weight")
+    if tied and excludes is not None and not is_excluded("lm_head", excludes):
+        findings.error(f"config.json ties the output layer to the embeddings but hf_quant_config.json "
+                       f"exclude_modules {excludes} does not name lm_head: a server (vLLM) would build lm_head "
+                       f"quantized and find no scales for it")
     findings.checks["tied_embeddings"] = {"tied": tied, "lm_head_tensors": len(heads), "embedding_tensors": len(embeds)}
 
 

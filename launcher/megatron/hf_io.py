@@ -67,6 +67,7 @@ def export_hf(model, hf_path: str, export_dir: str, dtype="bfloat16") -> list[st
     if rank == 0:
         remove_sidecar_files(export_dir)
         copy_tokenizer_files(hf_path, export_dir)
+        exclude_tied_lm_head(export_dir)
     dist.barrier()
     return sorted(os.listdir(export_dir))
 
@@ -79,6 +80,47 @@ def remove_sidecar_files(export_dir: str) -> list[str]:
             os.remove(os.path.join(export_dir, name))
             removed.append(name)
     return removed
+
+
+def exclude_tied_lm_head(export_dir: str) -> bool:
+    """Name ``lm_head`` in the export's exclude list when the output layer is tied to the embeddings.
+
+    A tied model has no output layer of its own in Megatron, so ModelOpt lists only the embedding
+    (``model.embed_tokens``) as unquantized.  vLLM builds ``lm_head`` as a layer of its own and
+    quantizes every layer the list does not name: it then waits for NVFP4 scales the checkpoint
+    cannot hold ("NVFP4 weight_scale for layer 'parallel_lm_head' was never loaded").  The output
+    layer is the embedding, unquantized, so it belongs in the list.  Both copies of the list are
+    updated (hf_quant_config.json ``exclude_modules``, config.json ``quantization_config.ignore``).
+    Returns whether anything was added.
+    """
+    import fnmatch
+    import json
+
+    config_path = os.path.join(export_dir, "config.json")
+    hqc_path = os.path.join(export_dir, "hf_quant_config.json")
+    if not (os.path.isfile(config_path) and os.path.isfile(hqc_path)):
+        return False
+    with open(config_path) as f:
+        config = json.load(f)
+    text = config.get("text_config") or config
+    if not text.get("tie_word_embeddings", config.get("tie_word_embeddings", False)):
+        return False
+    with open(hqc_path) as f:
+        hqc = json.load(f)
+    excludes = hqc.setdefault("quantization", {}).setdefault("exclude_modules", [])
+    if any(fnmatch.fnmatchcase("lm_head", p) for p in excludes):
+        return False
+    excludes.append("lm_head")
+    quant_config = config.get("quantization_config")
+    if isinstance(quant_config, dict):
+        ignore = quant_config.setdefault("ignore", [])
+        if "lm_head" not in ignore:
+            ignore.append("lm_head")
+    for path, data in ((hqc_path, hqc), (config_path, config)):
+        with open(path + ".tmp", "w") as f:
+            json.dump(data, f, indent=4)
+        os.replace(path + ".tmp", path)
+    return True
 
 
 def copy_tokenizer_files(hf_path: str, export_dir: str) -> list[str]:
