@@ -79,6 +79,13 @@ class VllmScoring(Choice):
     choice_logprobs = "choice_logprobs"
 
 
+class Nvfp4Kernels(Choice):
+    """Which vLLM kernels serve an NVFP4 export in the smoke."""
+
+    auto = "auto"            # vLLM's own choice (below Blackwell: Marlin, weight-only)
+    emulation = "emulation"  # vLLM's NVFP4 emulation: activations quantized too, as the gate does
+
+
 class OnUnsupported(Choice):
     skip = "skip"
     fail = "fail"

@@ -15,7 +15,8 @@ from omegaconf import MISSING
 
 from launcher.contract import STAGE_ORDER  # the stage names are the contract's
 from launcher.contract import (
-    BaselineMode, Device, Dispatcher, Dtype, OnUnsupported, ShardMode, VllmMode, VllmScoring, values)
+    BaselineMode, Device, Dispatcher, Dtype, Nvfp4Kernels, OnUnsupported, ShardMode, VllmMode, VllmScoring,
+    values)
 from launcher.formats import FormatName
 from launcher.schema_rules import owned, path, pattern, ranged, text
 
@@ -199,6 +200,9 @@ class VllmSmokeStage:
     model_dir: Optional[str] = path(None, kind="dir")
     on_unsupported: OnUnsupported = OnUnsupported.skip  # skip | fail
     force: bool = False                # skip the capability check (vLLM's own refusal is reported)
+    # auto | emulation: vLLM's NVFP4 emulation quantizes activations as the gate does, so the agreement
+    # judges an NVFP4 export at its own precision where vLLM's own choice is weight-only (Marlin, Hopper)
+    nvfp4_kernels: Nvfp4Kernels = Nvfp4Kernels.auto
     extra_args: list[str] = field(default_factory=list)
 
 

@@ -84,6 +84,12 @@ CASES = [
      "executor.collective_timeout_s=0: must be > 0"),
     ("vllm-startup-timeout-negative", lambda i: i.validate("stages.vllm_smoke.startup_timeout_s=-5"), 2,
      "stages.vllm_smoke.startup_timeout_s=-5: must be > 0"),
+    ("vllm-nvfp4-kernels-bogus", lambda i: i.validate("stages.vllm_smoke.nvfp4_kernels=marlin"), 2,
+     "stages.vllm_smoke.nvfp4_kernels='marlin': valid: auto, emulation"),
+    ("vllm-nvfp4-emulation-on-fp8", lambda i: i.validate("recipe=fp8_default", "stages.vllm_smoke.enabled=true",
+                                                         "stages.vllm_smoke.nvfp4_kernels=emulation"), 2,
+     "stages.vllm_smoke.nvfp4_kernels='emulation': serves NVFP4 exports; recipe fp8_default exports fp8 "
+     "(valid here: auto)"),
     ("calib-size-0", lambda i: i.validate("stages.quantize.calib.size=0"), 2,
      "stages.quantize.calib.size=0: must be >= 1"),
     ("fraction-0", lambda i: i.validate("stages.mmlu.fraction=0"), 2,

@@ -45,3 +45,35 @@ def test_only_marlin_is_named_as_not_the_exports_own_precision():
     assert "weight-only" in kernels.precision_note("marlin")
     assert [kernels.precision_note(f) for f in ("cutlass", "flashinfer", "triton", "emulation", "unquantized",
                                                 "other")] == [None] * 6
+
+
+def test_emulation_flags_only_for_an_nvfp4_export():
+    """nvfp4_kernels=emulation adds vLLM's flags for its NVFP4 emulation (dense and MoE layers) to an
+    NVFP4 export's engine; auto adds none, and an FP8 or unquantized export gets none either way."""
+    assert kernels.serving_args("emulation", "NVFP4") == [
+        "--linear-backend", "emulation", "--moe-backend", "emulation"]
+    assert [kernels.serving_args(k, a) for k, a in (("auto", "NVFP4"), ("emulation", "FP8"), ("emulation", None))] \
+        == [[], [], []]
+    assert kernels.precision_note("marlin").endswith("stages.vllm_smoke.nvfp4_kernels=emulation serves an NVFP4 "
+                                                      "export at it")
+
+
+def test_the_stage_puts_the_emulation_flags_before_the_users_extra_args(tmp_path):
+    """The smoke's backend gets the flags of nvfp4_kernels first and stages.vllm_smoke.extra_args after
+    them (a user's own --linear-backend, later on the command line, wins)."""
+    from types import SimpleNamespace
+
+    from launcher.stages import vllm_smoke
+
+    def backend(kind: str, algo):
+        sc = SimpleNamespace(mode="offline", nvfp4_kernels=kind, extra_args=["--max-model-len", 512],
+                             tensor_parallel_size=1, startup_timeout_s=60, request_timeout_s=60)
+        layout = SimpleNamespace(log=lambda name: str(tmp_path / f"{name}.log"))
+        ctx = SimpleNamespace(stage_cfg=sc, layout=layout, name="vllm_smoke", stage_dir=str(tmp_path),
+                              log=print)
+        return vllm_smoke._backend(ctx, str(tmp_path), "python3", "cuda", algo)
+
+    assert list(backend("emulation", "NVFP4").extra_args) == [
+        "--linear-backend", "emulation", "--moe-backend", "emulation", "--max-model-len", "512"]
+    assert list(backend("auto", "NVFP4").extra_args) == ["--max-model-len", "512"]
+    assert list(backend("emulation", "FP8").extra_args) == ["--max-model-len", "512"]

@@ -281,3 +281,6 @@ def _check_vllm(cfg: DictConfig, err: _Errors) -> None:
     if not cfg.stages.export.enabled and not v.model_dir:
         err.add("stages.vllm_smoke.enabled", True,
                 "serves stages.export's checkpoint: enable stages.export or set stages.vllm_smoke.model_dir")
+    if v.nvfp4_kernels == "emulation" and not v.model_dir and cfg.recipe.format != "nvfp4":
+        err.add(f"{key}.nvfp4_kernels", "emulation", f"serves NVFP4 exports; recipe {cfg.recipe.name} exports "
+                f"{cfg.recipe.format} (valid here: auto)")

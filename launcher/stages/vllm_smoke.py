@@ -203,14 +203,16 @@ def _criteria(ctx: StageContext, gate: Optional[GateSet], quant: capability.Quan
         acc_src = "the gate's lower_bound" if bound is not None else "none (the gate has no lower_bound)"
     return {"min_agreement": min_agree, "min_agreement_from": agree_src, "min_accuracy": min_acc,
             "min_accuracy_from": acc_src, "tie_margin": float(sc.tie_margin), "scoring": str(sc.scoring),
-            "max_tokens": int(sc.max_tokens)}
+            "max_tokens": int(sc.max_tokens), "nvfp4_kernels": str(sc.nvfp4_kernels),
+            "kernel_args": kernels.serving_args(str(sc.nvfp4_kernels), quant.algo)}
 
 
-def _backend(ctx: StageContext, model_dir: str, python: str, device: str) -> Backend:
+def _backend(ctx: StageContext, model_dir: str, python: str, device: str, quant_algo: Optional[str]) -> Backend:
     sc = ctx.stage_cfg
+    extra = kernels.serving_args(str(sc.nvfp4_kernels), quant_algo) + [str(a) for a in sc.extra_args]
     return BACKENDS[sc.mode](python=python, model_dir=model_dir,
                              log_path=ctx.layout.log(ctx.name), work_dir=ctx.stage_dir,
-                             tp=int(sc.tensor_parallel_size), extra_args=[str(a) for a in sc.extra_args],
+                             tp=int(sc.tensor_parallel_size), extra_args=extra,
                              device=device, startup_timeout_s=float(sc.startup_timeout_s),
                              request_timeout_s=float(sc.request_timeout_s), log=ctx.log)
 
@@ -261,7 +263,7 @@ def run(ctx: StageContext) -> None:
     work = Work(score_prompts=gate.token_ids if gate else (), choice_ids=gate.choice_ids if gate else (),
                 scoring=str(sc.scoring), gen_prompts=checks.token_ids if checks else (),
                 max_tokens=int(sc.max_tokens))
-    backend = _backend(ctx, model_dir, cap["python"], device)
+    backend = _backend(ctx, model_dir, cap["python"], device, quant.algo)
     ctx.log(f"{sc.mode}: {len(work.score_prompts)} gate questions ({sc.scoring}), "
             f"{len(work.gen_prompts)} generation checks, tp={sc.tensor_parallel_size}, log {backend.log_path}")
     try:

@@ -66,5 +66,20 @@ def precision_note(kernel_family: str) -> str | None:
     None for the other families (served at the export's own precision, or unquantized)."""
     if kernel_family == "marlin":
         return ("vLLM served the quantized weights through Marlin, weight-only (activations in 16 bits), "
-                "while the gate quantized activations too: the export is not served at its own precision here")
+                "while the gate quantized activations too: the export is not served at its own precision here; "
+                "stages.vllm_smoke.nvfp4_kernels=emulation serves an NVFP4 export at it")
     return None
+
+
+# vLLM's engine flags that select its NVFP4 emulation for dense and MoE layers (vLLM 0.26:
+# EmulationNvFp4LinearKernel and the EMULATION NvFp4 MoE backend quantize the activations to NVFP4
+# with the checkpoint's input scales, then dequantize and multiply in 16 bits)
+EMULATION_ARGS = ("--linear-backend", "emulation", "--moe-backend", "emulation")
+
+
+def serving_args(nvfp4_kernels: str, quant_algo: str | None) -> list[str]:
+    """The engine flags that ``stages.vllm_smoke.nvfp4_kernels`` adds for an export of ``quant_algo``:
+    none for ``auto`` or an export that is not NVFP4 (vLLM has no FP8 emulation to select)."""
+    if nvfp4_kernels == "emulation" and quant_algo == "NVFP4":
+        return list(EMULATION_ARGS)
+    return []
