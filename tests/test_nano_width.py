@@ -80,8 +80,10 @@ def test_the_smoke_resumes_the_pipelines_own_launch(tmp_path):
     args = argparse.Namespace(calib_size=8, calib_len=512, fraction=0.01, device="cuda", overrides=[])
     base = nw.launch_argv(str(hf), "MEM*E", {"vocab": 151680}, str(tmp_path / "calib.jsonl"),
                           str(tmp_path / "runs"), "nano-width-5", args, ["stages.vllm_smoke.enabled=false"])
-    cmd = nw.smoke_argv(base, "/opt/vllm/bin/python", "RUN")
+    assert "stages.vllm_smoke.nvfp4_kernels=auto" in nw.smoke_argv(base, "/opt/vllm/bin/python", "RUN")
+    cmd = nw.smoke_argv(base, "/opt/vllm/bin/python", "RUN", "emulation")
     assert cmd[-2:] == ["--resume", "RUN"] and "stages.vllm_smoke.enabled=false" not in cmd
+    assert "stages.vllm_smoke.nvfp4_kernels=emulation" in cmd
     assert cmd.count("stages.vllm_smoke.enabled=true") == 1 and "stages.vllm_smoke.python=/opt/vllm/bin/python" in cmd
     plan = subprocess.run(cmd[:-2] + ["--dry-run", "--json"], cwd=ROOT, capture_output=True, text=True)
     assert plan.returncode == 0, plan.stderr
