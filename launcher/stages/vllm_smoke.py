@@ -207,9 +207,11 @@ def _criteria(ctx: StageContext, gate: Optional[GateSet], quant: capability.Quan
             "kernel_args": kernels.serving_args(str(sc.nvfp4_kernels), quant.algo)}
 
 
-def _backend(ctx: StageContext, model_dir: str, python: str, device: str, quant_algo: Optional[str]) -> Backend:
+def _backend(ctx: StageContext, model_dir: str, python: str, device: str, kernel_args: list[str]) -> Backend:
+    """vLLM out of process; ``kernel_args`` (the criteria's, from ``nvfp4_kernels``) come before the
+    user's ``extra_args``, so a user's own flag, later on the command line, wins."""
     sc = ctx.stage_cfg
-    extra = kernels.serving_args(str(sc.nvfp4_kernels), quant_algo) + [str(a) for a in sc.extra_args]
+    extra = list(kernel_args) + [str(a) for a in sc.extra_args]
     return BACKENDS[sc.mode](python=python, model_dir=model_dir,
                              log_path=ctx.layout.log(ctx.name), work_dir=ctx.stage_dir,
                              tp=int(sc.tensor_parallel_size), extra_args=extra,
@@ -263,7 +265,7 @@ def run(ctx: StageContext) -> None:
     work = Work(score_prompts=gate.token_ids if gate else (), choice_ids=gate.choice_ids if gate else (),
                 scoring=str(sc.scoring), gen_prompts=checks.token_ids if checks else (),
                 max_tokens=int(sc.max_tokens))
-    backend = _backend(ctx, model_dir, cap["python"], device, quant.algo)
+    backend = _backend(ctx, model_dir, cap["python"], device, record.criteria["kernel_args"])
     ctx.log(f"{sc.mode}: {len(work.score_prompts)} gate questions ({sc.scoring}), "
             f"{len(work.gen_prompts)} generation checks, tp={sc.tensor_parallel_size}, log {backend.log_path}")
     try:
