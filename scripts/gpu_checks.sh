@@ -107,8 +107,10 @@ for t in .bench/*.tgz; do [ -f "$t" ] && mkdir -p /tmp/bench && tar -C /tmp/benc
 [ -d /tmp/bench ] && mkdir -p .bench && cp -a /tmp/bench/. .bench/
 # parts of payloads larger than one call (scripts/prepare_gpu_payload.sh), gathered under /tmp call by call
 mkdir -p "${VLLM_PARTS:=/tmp/vllm-parts}" /tmp/gpu-parts
-for f in .vllm-wheelhouse/part-* .vllm-wheelhouse/manifest.json; do [ -f "$f" ] && cp "$f" "$VLLM_PARTS/"; done
-for f in .gpu-parts/*; do [ -f "$f" ] && cp "$f" /tmp/gpu-parts/; done
+# (copied under a temporary name, then renamed: a queued job waiting for a part never sees half of it)
+stash_part() { cp "$1" "$2/.$(basename "$1").tmp" && mv "$2/.$(basename "$1").tmp" "$2/$(basename "$1")"; }
+for f in .vllm-wheelhouse/part-* .vllm-wheelhouse/manifest.json; do [ -f "$f" ] && stash_part "$f" "$VLLM_PARTS"; done
+for f in .gpu-parts/*; do [ -f "$f" ] && stash_part "$f" /tmp/gpu-parts; done
 ls /tmp/gpu-parts "$VLLM_PARTS" 2>/dev/null | tr '\n' ' ' | sed 's/^/[parts] /'; echo
 SMOLLM2_HF=${PTQ_CACHE_DIR:-/tmp/ptq-cache}/models/SmolLM2-135M-Instruct/hf
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$out/parts.txt"

@@ -62,7 +62,7 @@ fi
 { git rev-parse HEAD; [ -z "$(git status --porcelain --untracked-files=no)" ] || echo "(with uncommitted changes)"; } \
   | paste -sd' ' > .gpu-cache/commit.txt
 repo=$(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
-carried=$(du -cb .whl .bench/*.tgz .gpu-cache .cache/tiny 2>/dev/null | tail -1 | cut -f1)
+carried=$( (du -cb .whl .bench/*.tgz .gpu-cache .cache/tiny 2>/dev/null || true) | tail -1 | cut -f1)   # .cache/tiny may be absent
 echo "[payload] repo $((repo / 1048576)) MiB + carried $((carried / 1048576)) MiB = $(((repo + carried) / 1048576)) MiB (limit 64)"
 echo "[payload] commit: $(cat .gpu-cache/commit.txt)"
 [ $((repo + carried)) -lt $((64 * 1048576)) ] || { echo "[payload] over 64 MiB: carry less (e.g. drop .bench for the all:1 half)"; exit 1; }
