@@ -127,6 +127,12 @@ class RunVerb:
             print(f"[launch] warning: {w}", file=sys.stderr)
         if dry:
             return self.dry_run(cfg, as_json=bool(args.flag("--json")))
+        from launcher import profiling
+
+        try:   # PTQ_PROFILE names stages: a typo is refused before any rank starts
+            profiling.stages_to_profile()
+        except ValueError as e:
+            raise UserError(str(e)) from None
         from launcher.pipeline import run_pipeline
         from launcher.rundir import RunDirectory
 

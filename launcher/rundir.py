@@ -199,6 +199,7 @@ class RunDirectory:
 # -- a stage's published outputs ----------------------------------------------------------------------
 # not outputs: what the executor and the worker write beside them, and what a stage leaves aside
 NOT_OUTPUTS = ("log.txt", "manifest.json")
+NOT_OUTPUT_PREFIXES = ("profile-rank",)   # PTQ_PROFILE's files (launcher.profiling), written by every rank
 STALE_SUFFIX = ".stale"
 _ASIDE_SUFFIXES = (".rejected", STALE_SUFFIX)
 _HASH_CHUNK = 8 << 20
@@ -206,7 +207,7 @@ _HASH_CHUNK = 8 << 20
 
 def _is_output(rel: str) -> bool:
     parts = rel.split("/")
-    if rel in NOT_OUTPUTS:
+    if rel in NOT_OUTPUTS or rel.startswith(NOT_OUTPUT_PREFIXES):
         return False
     # temporary names of atomic writes (<name>.tmp-<pid>, export's <name>.tmp-export) and set-aside entries
     return not any(".tmp-" in p or p.endswith(_ASIDE_SUFFIXES) for p in parts)

@@ -112,7 +112,7 @@ def main(argv: list[str]) -> int:
 
 
 def _run_stage(spec, ctx, cfg, run_dir, rank, world, device, t0, shutdown) -> int:
-    from launcher import hold
+    from launcher import hold, profiling
     from launcher.megatron import patches
     from launcher.rundir import remove_manifest, write_manifest
 
@@ -121,7 +121,10 @@ def _run_stage(spec, ctx, cfg, run_dir, rank, world, device, t0, shutdown) -> in
         remove_manifest(run_dir, stage)
     try:
         hold.at(stage, "start", rank, log=lambda m: ctx.log(m, all_ranks=True))
-        spec.run(ctx)
+        with profiling.maybe_profile(stage, rank, run_dir) as profiled:   # PTQ_PROFILE=<stage>
+            if profiled:
+                ctx.log(f"profiling ({profiling.ENV}): {profiling.profile_paths(run_dir, stage, rank)[1]}")
+            spec.run(ctx)
     except StageFailed as e:
         print(f"[{stage} r{rank}] STAGE FAILED: {e}", file=sys.stderr, flush=True)
         _flush_and_exit(e.exit_code)

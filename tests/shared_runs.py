@@ -5,7 +5,8 @@ per session the way a user meets a crash:
 
   1. ``launch`` is started and rank 1 of its quantize stage is SIGKILLed mid-calibration
      (`kill_rank`: only a process of THIS launch's tree, never one found by name);
-  2. ``launch --resume`` completes it: quantize, the MMLU gate, export, vLLM smoke (a skip on CPU).
+  2. ``launch --resume`` completes it: quantize, the MMLU gate, export (profiled: PTQ_PROFILE=export),
+     vLLM smoke (a skip on CPU).
 
 Both states are kept, read-only: ``killed`` (the run directory as the killed launch left it) and
 ``completed``.  A test never touches them: it asks for a copy (``copy_killed`` / ``copy_completed``,
@@ -146,8 +147,8 @@ def make_kill_resume_run(base: Path) -> KillResumeRun:
     assert run_dir, "".join(lines)
     killed = base / "killed" / "runs"
     killed_copy = copy_run(run_dir, killed)   # the state the kill left, before the resume changes it
-    # 2. resume: everything runs and passes
-    resume_code, resume_out = finish(launch(f"runs_root={runs}", "--resume", run_dir))
+    # 2. resume: everything runs and passes (export profiled: PTQ_PROFILE, launcher/profiling.py)
+    resume_code, resume_out = finish(launch(f"runs_root={runs}", "--resume", run_dir, env={"PTQ_PROFILE": "export"}))
     _read_only(killed_copy)
     _read_only(Path(run_dir))
     return KillResumeRun(killed=killed_copy, killed_code=killed_code, killed_out="".join(lines) + rest,

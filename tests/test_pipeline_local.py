@@ -63,6 +63,28 @@ def test_resume_runs_every_stage(tiny_run, tmp_path):
     assert verify["ok"] is True, verify
 
 
+def test_export_profiled_on_every_rank_and_not_an_output(tiny_run, tmp_path):
+    """PTQ_PROFILE=export (the shared run's resume): each of the export's 4 ranks (PP4) writes its
+    profile beside the stage's log, the profile names ModelOpt's Megatron->HF exporter, and the
+    profiles are not outputs: the manifest does not list them and re-verifies without them."""
+    from launcher.rundir import verify_outputs
+
+    run_dir = str(tiny_run.copy_completed(tmp_path / "runs"))
+    export = os.path.join(run_dir, "export")
+    names = sorted(n for n in os.listdir(export) if n.startswith("profile-rank"))
+    assert names == [f"profile-rank{r}.{ext}" for r in range(4) for ext in ("pstats", "txt")]
+    with open(os.path.join(export, "profile-rank0.txt")) as f:
+        text = f.read()
+    assert text.startswith("==== by cumulative ====") and "==== by tottime ====" in text
+    assert "export_mcore_gpt_to_hf" in text, text[:3000]
+    with open(os.path.join(export, "manifest.json")) as f:
+        manifest = json.load(f)
+    assert not [rel for rel in manifest["outputs"] if "profile-rank" in rel]
+    assert verify_outputs(export, manifest) == []
+    with open(os.path.join(export, "log.txt")) as f:
+        assert "profiling (PTQ_PROFILE): " in f.read()
+
+
 def test_resume_with_unreachable_bound_fails_the_gate(tiny_run, tmp_path):
     """3. resume (a copy of the completed run) with an unreachable bound: quantize is not redone,
     the gate fails on every rank."""
