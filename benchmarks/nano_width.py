@@ -19,7 +19,8 @@ of the card's own pattern) it
      mmlu/results.json, export/verify.json timings), peak GPU memory (nvidia-smi sampled every
      0.2 s), export throughput (parameters per second of ``export_s``) and the gate's MFU (useful
      FLOPs = 2 x active non-embedding parameters per real token, over ``eval_s``, against the
-     H200's dense bf16 datasheet peak).
+     H200's dense bf16 datasheet peak), and where the export's time goes: rank 0's cProfile summary
+     (``--profile``, the launcher's PTQ_PROFILE; launcher/profiling.py).
 The JSON is rewritten after each pattern, so a run cut off by a time limit keeps what it measured.
 A markdown table goes to stdout.  The extrapolation to the full Nano is paper: benchmarks/README.md.
 """
@@ -255,7 +256,8 @@ def run_pattern(spec: str, card: dict, work: str, args) -> dict:
         log("  " + " ".join(base))
         t = time.perf_counter()
         with GpuMemorySampler() as mem:
-            p = subprocess.run(base, cwd=REPO_ROOT, capture_output=True, text=True, timeout=args.timeout)
+            p = subprocess.run(base, cwd=REPO_ROOT, capture_output=True, text=True, timeout=args.timeout,
+                               env={**os.environ, "PTQ_PROFILE": args.profile})
         wall = time.perf_counter() - t
         runs = sorted(glob.glob(os.path.join(runs_root, job, "*")), key=os.path.getmtime)
         entry = {"spec": spec, "model": model, "launch_wall_s": wall, "exit": p.returncode,
@@ -266,9 +268,22 @@ def run_pattern(spec: str, card: dict, work: str, args) -> dict:
             entry["run_dir"] = runs[-1]
             entry["stages"] = read_stage_figures(runs[-1])
             entry.update(derived(entry["stages"], model))
+            entry["profiles"] = read_profiles(runs[-1], args.profile)
     if args.vllm and entry["exit"] == 0:
         entry["vllm_smoke"] = serve_with_vllm(base, entry["run_dir"], args)
     return entry
+
+
+def read_profiles(run: str, stages: str, lines: int = 70) -> dict:
+    """Rank 0's PTQ_PROFILE summary (launcher/profiling.py) of each profiled stage: its first ``lines``
+    lines (the costliest functions by cumulative time) and the file's path for the rest."""
+    out = {}
+    for stage in filter(None, stages.split(",")):
+        path = os.path.join(run, stage, "profile-rank0.txt")
+        if os.path.exists(path):
+            with open(path) as f:
+                out[stage] = {"path": path, "top": f.read().splitlines()[:lines]}
+    return out
 
 
 def table(results: list[dict]) -> str:
@@ -300,6 +315,8 @@ def main(argv=None) -> int:
                     "mode, this interpreter) by launch --resume, and report its verdict or vLLM's error")
     ap.add_argument("--vllm-kernels", default="auto,emulation",
                     help="comma-separated stages.vllm_smoke.nvfp4_kernels values to serve with (default: both)")
+    ap.add_argument("--profile", default="export", help="PTQ_PROFILE for the pipeline: the stages whose rank 0 "
+                    "profile summary goes into the report (default export: where the writer's time goes; '' for none)")
     ap.add_argument("overrides", nargs="*", help="extra launch overrides")
     args = ap.parse_args(argv)
     card = read_card()

@@ -90,3 +90,13 @@ def test_the_smoke_resumes_the_pipelines_own_launch(tmp_path):
     stages = {s["name"]: s for s in json.loads(plan.stdout)["stages"]}
     assert [n for n, s in stages.items() if s["enabled"]] == ["quantize", "mmlu", "export", "vllm_smoke"]
     assert stages["vllm_smoke"]["world_size"] == 1
+
+
+def test_report_takes_rank0s_profile_of_each_profiled_stage(tmp_path):
+    (tmp_path / "export").mkdir()
+    (tmp_path / "export" / "profile-rank0.txt").write_text("".join(f"line {i}\n" for i in range(100)))
+    (tmp_path / "export" / "profile-rank1.txt").write_text("rank 1\n")
+    got = nw.read_profiles(str(tmp_path), "export,mmlu", lines=3)
+    assert got == {"export": {"path": str(tmp_path / "export" / "profile-rank0.txt"),
+                              "top": ["line 0", "line 1", "line 2"]}}
+    assert nw.read_profiles(str(tmp_path), "") == {}
