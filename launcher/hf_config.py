@@ -49,6 +49,15 @@ def read_hf_config(path: str) -> dict[str, Any]:
     return data
 
 
+def tied_embeddings(config: dict[str, Any]) -> bool | None:
+    """config.json's ``tie_word_embeddings`` (a multimodal config's ``text_config`` first, then the
+    top level); None when neither says (transformers' per-architecture default applies)."""
+    for level in (config.get("text_config") or {}, config):
+        if isinstance(level, dict) and "tie_word_embeddings" in level:
+            return bool(level["tie_word_embeddings"])
+    return None
+
+
 # config.json fields a card or a builder reads, and what each must be
 _INT_FIELDS = {"num_hidden_layers": 1, "n_layer": 1, "num_layers": 1, "hidden_size": 1, "d_model": 1, "n_embd": 1,
                "num_attention_heads": 1, "n_head": 1, "num_key_value_heads": 1, "intermediate_size": 1,

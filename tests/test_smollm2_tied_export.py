@@ -111,3 +111,13 @@ def test_export_names_the_tied_lm_head_in_both_lists_once(tmp_path):
     unquantized = write_checkpoint(tmp_path / "none", True, BODY)   # recipe=none: no quant config to touch
     assert exclude_tied_lm_head(unquantized) is False
     assert not os.path.exists(os.path.join(unquantized, "hf_quant_config.json"))
+
+
+def test_tie_flag_is_read_from_text_config_first_then_the_top_level():
+    from launcher.hf_config import tied_embeddings
+
+    assert tied_embeddings({"tie_word_embeddings": True}) is True
+    assert tied_embeddings({"tie_word_embeddings": 0}) is False
+    assert tied_embeddings({"text_config": {"tie_word_embeddings": False}, "tie_word_embeddings": True}) is False
+    assert tied_embeddings({"text_config": {"hidden_size": 8}, "tie_word_embeddings": True}) is True
+    assert tied_embeddings({"hidden_size": 8}) is None

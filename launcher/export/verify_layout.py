@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from launcher import formats
+from launcher.hf_config import tied_embeddings
 from launcher.export.safetensors_dir import (
     DTYPE_BYTES, INDEX_NAME, SINGLE_NAME, TensorInfo, read_all_headers, read_index, safetensors_files)
 
@@ -337,15 +338,12 @@ def check_tied_embeddings(config: dict, tensors: dict[str, TensorInfo], findings
     ``excludes`` (a quantized export's exclude_modules): a tied output layer is the unquantized
     embedding, so the list must name ``lm_head``, or a server builds it quantized and waits for
     scales the checkpoint does not hold."""
-    text = config.get("text_config") or config
-    if "tie_word_embeddings" not in text and "tie_word_embeddings" not in config:
+    tied = tied_embeddings(config)
+    if tied is None:
         return   # transformers' per-architecture default applies; nothing to compare
-    tied = bool(text.get("tie_word_embeddings", config.get("tie_word_embeddings")))
-    if source_config is not None:
-        src = source_config.get("text_config") or source_config
-        if "tie_word_embeddings" in src and bool(src["tie_word_embeddings"]) != tied:
-            findings.error(f"config.json tie_word_embeddings={tied} but the source checkpoint says "
-                           f"{bool(src['tie_word_embeddings'])}")
+    source_tied = tied_embeddings(source_config) if source_config is not None else None
+    if source_tied is not None and source_tied != tied:
+        findings.error(f"config.json tie_word_embeddings={tied} but the source checkpoint says {source_tied}")
     heads = sorted(n for n in tensors if n == "lm_head.weight" or n.endswith(".lm_head.weight"))
     embeds = sorted(n for n in tensors if n.endswith(".weight") and _is_embedding(n[: -len(".weight")]))
     if tied and heads:

@@ -96,14 +96,15 @@ def exclude_tied_lm_head(export_dir: str) -> bool:
     import fnmatch
     import json
 
+    from launcher.hf_config import tied_embeddings
+
     config_path = os.path.join(export_dir, "config.json")
     hqc_path = os.path.join(export_dir, "hf_quant_config.json")
     if not (os.path.isfile(config_path) and os.path.isfile(hqc_path)):
         return False
     with open(config_path) as f:
         config = json.load(f)
-    text = config.get("text_config") or config
-    if not text.get("tie_word_embeddings", config.get("tie_word_embeddings", False)):
+    if not tied_embeddings(config):
         return False
     with open(hqc_path) as f:
         hqc = json.load(f)
