@@ -1,27 +1,36 @@
 """A pool of gloo rank processes that import torch, Megatron-Core and ModelOpt once, then run jobs.
 
-``run_on_ranks`` (launcher_testing.ranks) starts ``nprocs`` fresh Python processes per call; each
-spends 20-40 s importing torch, Megatron-Core and ModelOpt before its first line of work (measured
-on the 2-core CI machine: 23 s for one rank, 41 s for four).  A test session makes about fifteen
-such calls.  ``RankPool`` starts ``size`` worker processes once; a job ("module:function" with JSON
-kwargs, as for run_on_ranks) then runs on workers 0..nprocs-1 with the rank environment a fresh
-process would get (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, a new MASTER_PORT).
+A fresh rank spends 20-40 s importing torch, Megatron-Core and ModelOpt before its first line of
+work (measured on the 2-core CI machine: 23 s for one rank, 41 s for four), and a test session
+makes about fifteen ``run_on_ranks`` calls.  ``RankPool`` starts ``size`` worker processes once; a
+job ("module:function" with JSON kwargs, as for run_on_ranks) then runs on workers 0..nprocs-1
+with the rank environment a fresh process would get (RANK, WORLD_SIZE, LOCAL_RANK,
+LOCAL_WORLD_SIZE, MASTER_ADDR, a new MASTER_PORT, and the job's ``env``: set, or removed where
+None).  ``launcher_testing.ranks.run_on_ranks`` runs its calls on one such pool per session
+(``POOL_SIZE`` = 4 workers) when ``PTQ_RANK_POOL=1``, which tests/conftest.py sets for pytest.
 
 Each job starts from the state a fresh rank has after those imports:
 - no process group and no Megatron parallel state (``launcher.megatron.dist.shutdown`` after the
   job, and torch.distributed's default group destroyed if the job left one);
 - no process-wide patch (``launcher.megatron.patches.undo_all``): a job gets only the patches it
-  applies itself, as in a fresh process;
+  applies itself, as in a fresh process, and ``patches.applied_in_process()`` lists only those;
 - torch.compile's caches reset (``torch._dynamo.reset``), the thread count, the working
-  directory, ``os.environ``, SIGTERM/SIGINT handlers and the RNG seeds put back.
+  directory, ``os.environ``, SIGTERM/SIGINT handlers and torch's RNG state put back.
 What a fresh process would have that a worker cannot give back is a module imported for the first
-time under a job's conditions: a test module whose ranks need that (the Mamba stub must precede
-``megatron.core.ssm.mamba_mixer``) sets ``FRESH_RANKS = True`` and run_on_ranks starts fresh ones.
+time under a job's conditions, and a variable read when the interpreter starts or a library is
+imported (CUDA_VISIBLE_DEVICES, PYTHONPATH, OMP_NUM_THREADS, ...).  For the first, a test module
+whose ranks need it sets ``FRESH_RANKS = True`` (tests/test_nemotron_h_model.py and
+tests/test_gpu_nemotron_h.py: the Mamba stub must precede ``megatron.core.ssm.mamba_mixer``, which
+an earlier job's ModelOpt importer may have imported without it); for the second, run_on_ranks
+compares the job's environment with the pool's (``ranks.IMPORT_TIME_PREFIXES``).  In both cases
+run_on_ranks starts fresh processes.
 
 A job that fails ends its worker with the job's exit code, exactly as a fresh rank would
 (``sys.exit(3)`` -> 3, an exception -> 1); the other workers get 20 s to fail on their own, then the
 whole pool is killed and the next job starts a new one.  A job past its timeout kills the pool the
-same way.  So one failure never leaves a later job a worker in an unknown state.
+same way.  So one failure never leaves a later job a worker in an unknown state.  ``JobFailure``
+reports each rank's exit code as a fresh run would: 0 for a rank that returned, -9 for one still
+running when killed.
 
 Protocol: the parent writes one JSON line per job to each worker's stdin; a worker writes its job's
 output (fds 1 and 2) to ``<workdir>/rank<R>.log`` and its result to ``<workdir>/result<R>.json``
@@ -113,8 +122,9 @@ class RankPool:
 
     # ------------------------------------------------------------ a job
     def run(self, target: str, nprocs: int, kwargs: Optional[dict] = None, timeout_s: float = 300,
-            env: Optional[dict[str, str]] = None, tail_chars: int = 6000) -> list:
-        """Run ``target`` on ranks 0..nprocs-1; each rank's return value, or JobFailure."""
+            env: Optional[dict[str, Optional[str]]] = None, tail_chars: int = 6000) -> list:
+        """Run ``target`` on ranks 0..nprocs-1; each rank's return value, or JobFailure.  ``env``:
+        variables set for the job (None: removed) over the pool's environment."""
         if not 1 <= nprocs <= self.size:
             raise ValueError(f"nprocs={nprocs} does not fit a pool of {self.size} ranks")
         if not self.alive():
@@ -146,11 +156,11 @@ class RankPool:
                         results[rank] = json.load(f)
             if len(results) == nprocs:
                 break
-            failed = [p.poll() for p in procs if p.poll() is not None]
+            ended = [rank for rank, p in enumerate(procs) if p.poll() is not None]
             now = time.monotonic()
-            if failed and grace is None:
+            if ended and grace is None:
                 grace = now + FAIL_GRACE_S      # let the other ranks fail on their own first
-            if grace is not None and (now > grace or all(p.poll() is not None for p in procs)):
+            if grace is not None and (now > grace or len(set(ended) | set(results)) == nprocs):
                 break
             if now > deadline:
                 timed_out = True
@@ -159,17 +169,25 @@ class RankPool:
         if len(results) == nprocs and all(p.poll() is None for p in procs):
             return [results[r] for r in range(nprocs)]
         self.kill()                               # nothing of a failed job survives into the next
-        codes = [p.returncode for p in procs]     # a rank still running when killed: -9
-        outputs = []
-        for rank in range(nprocs):
-            try:
-                with open(os.path.join(workdir, f"rank{rank}.log"), errors="replace") as f:
-                    outputs.append(f.read()[-tail_chars:])
-            except OSError:
-                outputs.append("")
+        # as a fresh run reports it: a rank that returned exited 0, one still running when killed -9
+        codes = [0 if os.path.exists(os.path.join(workdir, f"result{rank}.json")) else p.returncode
+                 for rank, p in enumerate(procs)]
+        outputs = [self._output(workdir, rank)[-tail_chars:] for rank in range(nprocs)]
         detail = "\n".join(f"----- rank {r} (exit {c}) -----\n{out}" for r, (c, out) in enumerate(zip(codes, outputs)))
         why = f"timed out after {timeout_s} s" if timed_out else f"exit codes {codes}"
         raise JobFailure(f"{target} on {nprocs} pooled ranks: {why}\n{detail}", codes, outputs, timed_out)
+
+    def _output(self, workdir: str, rank: int) -> str:
+        """The job's output on ``rank``; the worker's own log when the job never started there
+        (the worker died while importing)."""
+        for path in (os.path.join(workdir, f"rank{rank}.log"),
+                     os.path.join(self.root, f"worker{rank}-start{self.starts}.log")):
+            try:
+                with open(path, errors="replace") as f:
+                    return f.read()
+            except OSError:
+                continue
+        return ""
 
 
 # ---------------------------------------------------------------- the worker side
@@ -186,7 +204,9 @@ def _reset_after_job(base_env: dict, threads: int, handlers: dict, rng_state) ->
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     if "launcher.megatron.patches" in mods:
-        mods["launcher.megatron.patches"].undo_all()
+        patches = mods["launcher.megatron.patches"]
+        patches.undo_all()
+        patches._EVER.clear()         # applied_in_process(): what a stage records, this job's only
     if hasattr(torch, "_dynamo"):
         torch._dynamo.reset()
     torch.set_num_threads(threads)
@@ -196,6 +216,14 @@ def _reset_after_job(base_env: dict, threads: int, handlers: dict, rng_state) ->
     for sig, h in handlers.items():
         signal.signal(sig, h)
     gc.collect()
+
+
+def _set_environ(changes: dict) -> None:
+    for key, value in changes.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 def _run_job(job: dict, base_env: dict, threads: int, handlers: dict, rng_state, cwd: str) -> int:
@@ -209,7 +237,7 @@ def _run_job(job: dict, base_env: dict, threads: int, handlers: dict, rng_state,
     os.dup2(log_fd, 1)
     os.dup2(log_fd, 2)
     os.close(log_fd)
-    os.environ.update(job["env"])
+    _set_environ(job["env"])
     os.chdir(cwd)
     code = 0
     try:

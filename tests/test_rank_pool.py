@@ -25,7 +25,8 @@ def state_worker(tag: str, apply_patch: bool = False, exit_code: int = 0) -> dic
 
     seen = {"tag": tag, "rank": int(os.environ["RANK"]), "world": int(os.environ["WORLD_SIZE"]),
             "port": os.environ["MASTER_PORT"], "pid": os.getpid(), "initialized_before": dist.is_initialized(),
-            "patches_before": patches.applied(), "leftover_env": os.environ.get("LEFTOVER"),
+            "patches_before": patches.applied(), "recorded_before": patches.applied_in_process(),
+            "leftover_env": os.environ.get("LEFTOVER"),
             "threads": torch.get_num_threads(), "randn": torch.randn(3).tolist(),
             "sigterm_default": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL, "cwd": os.getcwd()}
     dist.init_process_group("gloo", init_method="env://")
@@ -83,7 +84,7 @@ def test_each_job_starts_from_a_fresh_ranks_state(pool):
         assert [s["rank"] for s in job] == list(range(world)) and {s["world"] for s in job} == {world}
         assert {s["sum"] for s in job} == {world * (world + 1) / 2}          # a working gloo group each time
         for s in job:                                                         # ... in a fresh rank's state
-            assert s["initialized_before"] is False and s["patches_before"] == []
+            assert s["initialized_before"] is False and s["patches_before"] == s["recorded_before"] == []
             assert s["leftover_env"] is None and s["threads"] == 1 and s["sigterm_default"]
             assert s["cwd"] == ROOT
     assert first[0]["port"] != second[0]["port"]
