@@ -39,6 +39,26 @@ def test_read_log_of_a_missing_file_is_empty(tmp_path):
     assert kernels.read_log(str(log))["family"] == "marlin"
 
 
+def test_an_attempt_reads_only_its_own_lines_of_the_appended_stage_log(tmp_path):
+    """The stage's log keeps every attempt (a resumed smoke appends).  On an H100 (2026-12-06,
+    benchmarks/results/2026-12-06-h100-smollm2-vllm.json) an `auto` attempt served SmolLM2's NVFP4
+    export through Marlin alone, yet was reported as `emulation`: an earlier emulation attempt's
+    line was read too.  From the attempt's start offset only its own statements count."""
+    log = tmp_path / "log.txt"
+    earlier = ("[vllm_smoke r0 03:36:20] offline: 16 gate questions (prompt_logprobs)\n"
+               "INFO 12-06 03:36:40 [__init__.py:978] Using EmulationNvFp4LinearKernel for NVFP4 GEMM\n")
+    log.write_text(earlier)
+    start = kernels.log_size(str(log))
+    assert start == len(earlier.encode())
+    with open(log, "a") as f:
+        f.write(NVFP4_LOG)
+    assert kernels.read_log(str(log))["family"] == "emulation"          # the whole log: the defect
+    mine = kernels.read_log(str(log), start)
+    assert mine == {"choices": ["Using FLASH_ATTN attention backend", "Using MarlinNvFp4LinearKernel for NVFP4 GEMM",
+                                "Using 'MARLIN' NvFp4 MoE backend"], "family": "marlin"}
+    assert kernels.log_size(str(tmp_path / "absent.log")) == 0
+
+
 def test_only_marlin_is_named_as_not_the_exports_own_precision():
     """The Nano-width NVFP4 export on an H100 (benchmarks/results/2026-12-05-h100-nano-width.json):
     served through Marlin, agreement 0.771; the failure says Marlin is weight-only."""

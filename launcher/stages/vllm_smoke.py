@@ -268,17 +268,18 @@ def run(ctx: StageContext) -> None:
     backend = _backend(ctx, model_dir, cap["python"], device, record.criteria["kernel_args"])
     ctx.log(f"{sc.mode}: {len(work.score_prompts)} gate questions ({sc.scoring}), "
             f"{len(work.gen_prompts)} generation checks, tp={sc.tensor_parallel_size}, log {backend.log_path}")
+    log_start = kernels.log_size(backend.log_path)   # this attempt's lines: the log keeps earlier ones
     try:
         with _sigterm_as_exit():
             replies = backend.run(work)
     except VllmError as e:
         record.failure, record.vllm_error, record.server = str(e), e.error_line, e.info or None
         record.failures = [record.failure]
-        record.kernels = kernels.read_log(backend.log_path)
+        record.kernels = kernels.read_log(backend.log_path, log_start)
         _write(ctx, record, timings)
         _show_tail(backend.log_path)
         raise StageFailed(f"vllm_smoke: {e}") from e
-    record.server, record.kernels = replies.info, kernels.read_log(backend.log_path)
+    record.server, record.kernels = replies.info, kernels.read_log(backend.log_path, log_start)
     ctx.log(f"vLLM's kernels ({record.kernels['family']}): {'; '.join(record.kernels['choices']) or 'none stated'}")
     timings.update({k: replies.info.get(k) for k in ("startup_s", "score_s", "generate_s")})
     record.judge(gate, checks, replies)

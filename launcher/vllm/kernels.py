@@ -15,6 +15,7 @@ on Hopper ran through Marlin's W4A16 path rather than a native FP4 kernel.
 """
 from __future__ import annotations
 
+import os
 import re
 from typing import Iterable
 
@@ -49,11 +50,23 @@ def family(choices: Iterable[str]) -> str:
     return "other"
 
 
-def read_log(path: str) -> dict:
-    """``{"choices": [...], "family": ...}`` of a vLLM log file; empty choices if it is absent."""
+def log_size(path: str) -> int:
+    """Where the next attempt's lines will start in an appended log (0: no log yet)."""
     try:
-        with open(path, errors="replace") as f:
-            choices = read_choices(f)
+        return os.path.getsize(path)
+    except FileNotFoundError:
+        return 0
+
+
+def read_log(path: str, start: int = 0) -> dict:
+    """``{"choices": [...], "family": ...}`` of a vLLM log file from byte ``start`` on (the stage's
+    log is appended to by every attempt: ``start`` = ``log_size`` before this attempt's engine
+    started, so an earlier attempt's kernels are never reported as this one's); empty choices if
+    the log is absent."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(start)
+            choices = read_choices(line.decode("utf-8", errors="replace") for line in f)
     except FileNotFoundError:
         choices = []
     return {"choices": choices, "family": family(choices)}
