@@ -193,6 +193,18 @@ def completed_run(runs_root: str, job: str) -> str | None:
     return None
 
 
+def recorded_launch(path: str, fresh: list[str]) -> list[str]:
+    """The ``launch`` argv a run was made with, recorded at ``path`` when it was made; ``fresh`` when
+    none was.  A later call on the host may run from another copy of the repo (gpu_background.sh
+    gives each job its own), so the MMLU file's path in a fresh argv can differ, and ``--resume``
+    with another path would redo the gate and then refuse to overwrite the export."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return fresh
+
+
 def smoke_argv(base: list[str], python: str, run: str, nvfp4_kernels: str = "auto") -> list[str]:
     """The pipeline's ``launch`` argv with the vLLM smoke enabled (offline, ``python`` as vLLM's
     interpreter, failing where vLLM refuses, no accuracy floor: a random model, NVFP4 served by
@@ -236,12 +248,14 @@ def run_pattern(spec: str, card: dict, work: str, args) -> dict:
     job = f"nano-width-{len(pattern)}"
     calib = os.path.join(work, "calib.jsonl")
     model_json = os.path.join(hf, "nano_width_model.json")
+    launch_json = os.path.join(work, f"{job}.launch.json")
     earlier = completed_run(runs_root, job) if os.path.exists(model_json) else None
     if earlier:                                    # an earlier call built and ran it (--work kept on this host)
         with open(model_json) as f:
             model = json.load(f)
         log(f"pattern {pattern}: reusing {earlier}")
-        base = launch_argv(hf, pattern, model, calib, runs_root, job, args, ["stages.vllm_smoke.enabled=false"])
+        base = recorded_launch(launch_json, launch_argv(hf, pattern, model, calib, runs_root, job, args,
+                                                        ["stages.vllm_smoke.enabled=false"]))
         entry = {"spec": spec, "model": model, "run_dir": earlier, "exit": 0, "reused": True,
                  "stages": read_stage_figures(earlier)}
         entry.update(derived(entry["stages"], model))
@@ -253,6 +267,7 @@ def run_pattern(spec: str, card: dict, work: str, args) -> dict:
             f"built {model['build_s']:.1f} s, saved {model['save_s']:.1f} s")
         write_calibration(calib, args.calib_size)
         base = launch_argv(hf, pattern, model, calib, runs_root, job, args, ["stages.vllm_smoke.enabled=false"])
+        write_json(launch_json, base)
         log("  " + " ".join(base))
         t = time.perf_counter()
         with GpuMemorySampler() as mem:

@@ -100,3 +100,16 @@ def test_report_takes_rank0s_profile_of_each_profiled_stage(tmp_path):
     assert got == {"export": {"path": str(tmp_path / "export" / "profile-rank0.txt"),
                               "top": ["line 0", "line 1", "line 2"]}}
     assert nw.read_profiles(str(tmp_path), "") == {}
+
+
+def test_a_reused_run_resumes_with_the_launch_it_was_made_with(tmp_path):
+    """On the H100 (2026-12-06) the nano-vllm job ran from another repo copy than the nano job: its
+    fresh argv named another MMLU path, the resume redid the gate, then export refused to overwrite."""
+    import json
+
+    made = ["python", "-m", "launcher.cli", "nano.yaml", "stages.mmlu.dataset=/tmp/gpu-bg/nano/repo/.bench/mmlu/test.jsonl"]
+    fresh = made[:-1] + ["stages.mmlu.dataset=/tmp/gpu-bg/nanovllm/repo/.bench/mmlu/test.jsonl"]
+    path = tmp_path / "nano-width-5.launch.json"
+    assert nw.recorded_launch(str(path), fresh) == fresh          # nothing recorded: the fresh one
+    path.write_text(json.dumps(made))
+    assert nw.recorded_launch(str(path), fresh) == made
