@@ -217,12 +217,14 @@ for part in $parts; do
     vllm)
       rc=0
       # SmolLM2 (tied embeddings, 9 heads: one rank everywhere) through the Llama example, the gate on
-      # 5% of real MMLU zero-shot (a 135M model is near chance: no baseline, a low floor)
+      # 5% of real MMLU zero-shot (a 135M model is near chance: no baseline, a low floor, and the smoke
+      # with the same floor on 48 questions: at the example's 16, one disagreement fails 0.95)
       smollm2="examples/meta-llama/Llama-3.2-1B-Instruct model=from_checkpoint model.path=$SMOLLM2_HF
                stages.quantize.calib.dataset=$(dirname "$SMOLLM2_HF")/calib.jsonl stages.quantize.calib.size=64
                stages.quantize.calib.max_seq_len=512 stages.mmlu.dataset=$root/.bench/mmlu/test.jsonl
                stages.mmlu.fraction=0.05 stages.mmlu.few_shots=0 stages.mmlu.baseline=none
                stages.mmlu.max_drop=null stages.mmlu.lower_bound=0.1
+               stages.vllm_smoke.min_accuracy=0.1 stages.vllm_smoke.questions=48
                stages.quantize.parallel={tp:1,pp:1,ep:1,etp:1,world_size:1}
                stages.mmlu.parallel={tp:1,pp:1,ep:1,etp:1,world_size:1}
                stages.export.parallel={tp:1,pp:1,ep:1,etp:1,world_size:1}"
