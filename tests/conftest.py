@@ -1,11 +1,31 @@
 """Shared fixtures: the tiny embedded-default model (built once, cached by its recipe hash); the
-session's shared runs (tests/shared_runs.py: `tiny_run`, used copy-on-write)."""
+session's shared runs (tests/shared_runs.py: `tiny_run`, used copy-on-write); the session's rank
+pool (PTQ_RANK_POOL, below)."""
 import os
 import re
+import sys
 
 import pytest
 
 pytest_plugins = ["shared_runs"]
+
+# ---------------------------------------------------------------- the session's rank pool
+# run_on_ranks runs its calls on one pool of preloaded rank processes per session
+# (launcher_testing.ranks); PTQ_RANK_POOL=0 in the environment turns that off for a run.
+os.environ.setdefault("PTQ_RANK_POOL", "1")
+
+
+def pytest_terminal_summary(terminalreporter):
+    ranks = sys.modules.get("launcher_testing.ranks")
+    for line in ranks.summary() if ranks is not None else ():
+        terminalreporter.write_line(line)
+
+
+def pytest_unconfigure(config):
+    ranks = sys.modules.get("launcher_testing.ranks")   # imported only if a test used it
+    if ranks is not None:
+        ranks.close_pool()
+
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_EXAMPLE = os.path.join(ROOT, "examples", "tiny", "Qwen3-MoE-tiny", "megatron_lm_ptq.yaml")

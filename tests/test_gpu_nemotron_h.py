@@ -22,6 +22,7 @@ from launcher_testing.checkpoints import hf_logits, write_tiny_nemotron_h
 from launcher_testing.ranks import run_on_ranks
 
 pytestmark = pytest.mark.gpu
+FRESH_RANKS = True   # hybrid ranks: the Mamba stub must precede mamba_mixer's first import (a pooled worker may have done it)
 torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
     pytest.skip("needs an NVIDIA GPU", allow_module_level=True)

@@ -29,6 +29,7 @@ LOGITS_TOLERANCE = 1e-4          # fp32, max |megatron - transformers|
 SEQ = 21                         # > 2 chunks of 8
 
 pytestmark = pytest.mark.torch   # imports torch, Megatron or ModelOpt (in-process or in its ranks)
+FRESH_RANKS = True   # hybrid ranks: the Mamba stub must precede mamba_mixer's first import (a pooled worker may have done it)
 
 
 @pytest.fixture(scope="module")

@@ -117,6 +117,7 @@ def test_one_rank_failing_stops_the_ranks_waiting_for_it(pool, monkeypatch):
 def test_a_hung_job_times_out_and_the_next_job_runs(pool):
     from launcher_testing.rank_pool import JobFailure
 
+    pool.run("test_rank_pool:state_worker", 2, {"tag": "v"}, timeout_s=120)   # started: the 5 s are the job's own
     with pytest.raises(JobFailure) as e:
         pool.run("test_rank_pool:hang_worker", 2, timeout_s=5)
     assert e.value.timed_out and "hanging" in e.value.outputs[0]
