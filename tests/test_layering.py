@@ -9,7 +9,7 @@ modules).  Layers, bottom to top (``LAYERS``):
   vocabulary  pure modules every layer may name: the contract, the topology, formats, paths,
               the schema and its rules, the config.json reader, what a rank reads from Slurm's
               environment (slurm_env: the sbatch renderer, the worker and megatron.dist share it)
-  libraries   the torch side, the gate's libraries, executors, export, vLLM, the report, run
+  libraries   the torch side, the gate's libraries, executors, export, vLLM, the report, the stage profiler, run
               directories
   stages      the stage implementations and the pre-start checks
   services    config composition and validation, the worker, the pipeline, the suite, the CLI
@@ -31,7 +31,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("vocabulary", ("contract", "topology", "formats", "architectures", "paths", "schema", "schema_rules", "hf_config",
                     "slurm_env")),
-    ("libraries", ("executors", "export", "megatron", "mmlu", "quant", "vllm", "report", "rundir", "hold")),
+    ("libraries", ("executors", "export", "megatron", "mmlu", "quant", "vllm", "report", "rundir", "hold",
+                   "profiling")),
     ("stages", ("stages", "preflight")),
     ("services", ("config", "worker", "pipeline", "suite", "cli")),
 )
