@@ -5,6 +5,7 @@ path; the H200 measurement is in the module's docstring.
 """
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -145,3 +146,108 @@ def test_nemotron_h_embedding_saved_by_transformers_imports_after_the_fix(tmp_pa
     assert torch.equal(got, saved["backbone.embedding.weight"])
     with pytest.raises(ValueError, match=r"Key \[backbone.layers.9.norm.weight\] does not exist"):
         importer.get_safetensor(path, "backbone.layers.9.norm.weight")   # other keys: unchanged
+
+
+# ------------------------------------------------------------------ NVFP4: the same codes, faster
+def _every_rounding_case(dtype) -> "torch.Tensor":
+    """Each E2M1 bound exactly and its float neighbours, both signs, +-0, +-inf, NaN, and normal
+    values at three scales (2**16 of each), in ``dtype``."""
+    from launcher.megatron.modelopt_fixes import E2M1_BOUNDS
+
+    b = torch.tensor(E2M1_BOUNDS, dtype=dtype)
+    up, down = torch.nextafter(b, torch.full_like(b, 10)), torch.nextafter(b, torch.zeros_like(b))
+    edges = torch.cat([b, up, down, torch.tensor([0.0, -0.0, 6.0, 7.5, float("inf"), float("-inf"), float("nan")],
+                                                 dtype=dtype)])
+    gen = torch.Generator().manual_seed(3)
+    normal = torch.cat([torch.randn(1 << 16, generator=gen) * s for s in (0.5, 2.0, 8.0)]).to(dtype)
+    return torch.cat([edges, -edges, normal])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fast_e2m1_cast_gives_modelopts_codes(dtype):
+    from modelopt.torch.quantization.qtensor import NVFP4QTensor
+
+    from launcher.megatron.modelopt_fixes import E2M1_BOUNDS, cast_fp4
+
+    assert NVFP4QTensor.get_e2m1_bounds(torch.device("cpu")).tolist() == list(E2M1_BOUNDS)
+    x = _every_rounding_case(dtype)
+    theirs = NVFP4QTensor._cast_fp4(x.clone())
+    ours = cast_fp4(x.clone())
+    assert ours.dtype == theirs.dtype == torch.uint8
+    assert torch.equal(ours, theirs), (x[ours != theirs], ours[ours != theirs], theirs[ours != theirs])
+    assert sorted(set(ours.tolist())) == list(range(16))          # every code, both signs, occurs
+
+
+def test_nvfp4_quantize_packs_the_same_bytes_with_the_fix_and_undoes_cleanly():
+    from modelopt.torch.quantization.qtensor import NVFP4QTensor
+
+    from launcher.megatron import patches
+
+    w = (torch.randn(256, 512, generator=torch.Generator().manual_seed(5)) * 0.02).bfloat16()
+    original = NVFP4QTensor.__dict__["_cast_fp4"]
+    before = NVFP4QTensor.quantize(w, 16)
+    assert patches.apply("modelopt_nvfp4_fast_cast")
+    assert NVFP4QTensor.__dict__["_cast_fp4"] is not original
+    after = NVFP4QTensor.quantize(w, 16)
+    assert torch.equal(after[0]._quantized_data, before[0]._quantized_data)
+    assert torch.equal(after[1].view(torch.uint8), before[1].view(torch.uint8)) and torch.equal(after[2], before[2])
+    patches.undo("modelopt_nvfp4_fast_cast")
+    assert NVFP4QTensor.__dict__["_cast_fp4"] is original
+
+
+def nvfp4_export_bytes_worker(src: str, out: str) -> dict:
+    """NVFP4-quantize a tiny model on CPU, export it with ModelOpt's own E2M1 cast and again with the
+    fast one (every other fix applied to both): each file's sha256."""
+    import copy
+    import hashlib
+
+    import modelopt.torch.quantization as mtq
+    from modelopt.torch.export import export_mcore_gpt_to_hf
+
+    from launcher.megatron import patches
+    from launcher.megatron.dist import init_distributed, shutdown
+    from launcher.megatron.forward import forward_logits
+    from launcher.megatron.hf_io import import_hf_weights
+    from launcher.megatron.models import build_model, unwrap_model
+    from launcher.topology import ParallelDims
+
+    dims = ParallelDims(world_size=1)
+    init_distributed(dims, "cpu", timeout_s=120)
+    model = build_model(src, dims, "cpu", "float32")
+    import_hf_weights(model, src, "float32")
+    patches.undo("modelopt_nvfp4_fast_cast")          # quantize and the first export: ModelOpt's own cast
+    gen = torch.Generator().manual_seed(7)
+    batches = [torch.randint(0, 256, (4, 32), generator=gen) for _ in range(4)]
+    mtq.quantize(unwrap_model(model), copy.deepcopy(mtq.NVFP4_DEFAULT_CFG),
+                 lambda _m: [forward_logits(model, b) for b in batches])
+    digests = {}
+    for label in ("modelopt_cast", "fast_cast"):
+        if label == "fast_cast":
+            assert patches.apply("modelopt_nvfp4_fast_cast")
+        assert ("modelopt_nvfp4_fast_cast" in patches.applied()) == (label == "fast_cast")
+        d = os.path.join(out, label)
+        export_mcore_gpt_to_hf(unwrap_model(model), src, dtype=torch.float32, export_dir=d)
+        digests[label] = {name: hashlib.sha256(open(os.path.join(d, name), "rb").read()).hexdigest()
+                          for name in sorted(os.listdir(d))}
+    from safetensors import safe_open
+
+    packed = 0   # NVFP4 weights as written: uint8 E2M1 code pairs (every one went through _cast_fp4)
+    for name in os.listdir(d):
+        if name.endswith(".safetensors"):
+            with safe_open(os.path.join(d, name), "pt") as f:
+                packed += sum(f.get_slice(k).get_dtype() == "U8" for k in f.keys() if k.endswith(".weight"))
+    with open(os.path.join(d, "hf_quant_config.json")) as f:
+        algo = json.load(f)["quantization"]["quant_algo"]
+    shutdown()
+    return {**digests, "packed_weights": packed, "quant_algo": algo}
+
+
+@pytest.mark.slow
+def test_nvfp4_export_files_are_byte_for_byte_modelopts(tmp_path):
+    src = write_tiny_qwen3_moe(str(tmp_path / "src"), num_layers=2)
+    [r] = run_on_ranks("test_modelopt_fixes:nvfp4_export_bytes_worker", nprocs=1, timeout_s=400,
+                       kwargs={"src": src, "out": str(tmp_path)})
+    theirs, ours = r["modelopt_cast"], r["fast_cast"]
+    assert r["quant_algo"] == "NVFP4" and r["packed_weights"] > 20, r
+    assert any(n.endswith(".safetensors") for n in theirs) and "hf_quant_config.json" in theirs, theirs
+    assert ours == theirs

@@ -24,10 +24,21 @@ on load; ModelOpt's importer knows one): ``import_mcore_gpt_from_hf`` then fails
 [backbone.embeddings.weight] does not exist!".  The fix makes the importer's tensor lookup try
 the other spelling of exactly that key when the first is absent.  ``tests/test_modelopt_fixes.py``
 checks the installed ModelOpt still fails without it.
+
+``nvfp4_fast_cast`` - speed, the same bytes.  ModelOpt 0.47 packs each NVFP4 weight to E2M1 codes
+on the host (the exporter moves every weight to the CPU first) with ``torch.searchsorted`` over the
+7 rounding bounds plus a broadcast test for the ties at the odd bounds.  Profiled on an H100
+(benchmarks/results/2026-12-06-h100-nano-width-profile.json): 87 of the Nano-width export's 99 s
+of writing, 0.16 s per 5 M-element expert weight.  ``cast_fp4`` computes the same code with 7
+comparisons (``>`` at the bounds that round down on a tie, ``>=`` at those that round up: ties to
+the even code, as ModelOpt's ``searchsorted`` + odd-bound test does; NaN gives code 7 as
+``searchsorted`` sorts it last).  ``tests/test_modelopt_fixes.py`` checks the codes and the
+exported files byte for byte against ModelOpt's own; ``benchmarks/export_pack.py`` measures both.
 """
 from __future__ import annotations
 
-FIXES = ("modelopt_fp8_export_single_rounding", "modelopt_nemotron_h_embedding_name")   # patch register names
+FIXES = ("modelopt_fp8_export_single_rounding", "modelopt_nemotron_h_embedding_name",
+         "modelopt_nvfp4_fast_cast")   # patch register names
 
 
 def fp8_export_single_rounding(rec) -> None:
@@ -69,6 +80,37 @@ def nemotron_h_embedding_name(rec) -> None:
 
     get_safetensor.__wrapped__ = original
     rec.set(importer, "get_safetensor", get_safetensor)
+
+
+E2M1_BOUNDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)   # midpoints of 0, .5, 1, 1.5, 2, 3, 4, 6
+_TIES_ROUND_UP = (False, True, False, True, False, True, False)   # to the even code: at .75, 1.75, 3.5
+
+
+def cast_fp4(weight):
+    """E2M1 codes (uint8, sign in bit 3) of an already scaled ``weight``: ModelOpt 0.47's
+    ``NVFP4QTensor._cast_fp4`` without its bucket search (the same codes; ``weight`` is made
+    absolute in place, as ModelOpt's does)."""
+    import torch
+
+    sign = (weight < 0).to(torch.uint8) << 3
+    magnitude = weight.abs_()
+    code = torch.zeros_like(magnitude, dtype=torch.uint8)
+    for bound, up in zip(E2M1_BOUNDS, _TIES_ROUND_UP):
+        code += (magnitude >= bound) if up else (magnitude > bound)
+    code.masked_fill_(magnitude.isnan(), len(E2M1_BOUNDS))
+    return sign + code
+
+
+def nvfp4_fast_cast(rec) -> None:
+    from modelopt.torch.quantization.qtensor.nvfp4_tensor import NVFP4QTensor
+
+    original = NVFP4QTensor.__dict__["_cast_fp4"]
+
+    def _cast_fp4(cls, weight):
+        return cast_fp4(weight)
+
+    _cast_fp4.__wrapped__ = original
+    rec.set(NVFP4QTensor, "_cast_fp4", classmethod(_cast_fp4))
 
 
 def apply_modelopt_fixes() -> list[str]:
