@@ -67,6 +67,8 @@ def test_export_profiled_on_every_rank_and_not_an_output(tiny_run, tmp_path):
     """PTQ_PROFILE=export (the shared run's resume): each of the export's 4 ranks (PP4) writes its
     profile beside the stage's log, the profile names ModelOpt's Megatron->HF exporter, and the
     profiles are not outputs: the manifest does not list them and re-verifies without them."""
+    import pstats
+
     from launcher.rundir import verify_outputs
 
     run_dir = str(tiny_run.copy_completed(tmp_path / "runs"))
@@ -76,7 +78,10 @@ def test_export_profiled_on_every_rank_and_not_an_output(tiny_run, tmp_path):
     with open(os.path.join(export, "profile-rank0.txt")) as f:
         text = f.read()
     assert text.startswith("==== by cumulative ====") and "==== by tottime ====" in text
-    assert "export_mcore_gpt_to_hf" in text, text[:3000]
+    # The raw profile holds every function called; the text keeps only the costliest 40, and on a
+    # tiny model the exporter's own frame may rank below the model build (it did on CI's machine).
+    called = {name for (_file, _line, name) in pstats.Stats(os.path.join(export, "profile-rank0.pstats")).stats}
+    assert "export_mcore_gpt_to_hf" in called, sorted(called)[:50]
     with open(os.path.join(export, "manifest.json")) as f:
         manifest = json.load(f)
     assert not [rel for rel in manifest["outputs"] if "profile-rank" in rel]
