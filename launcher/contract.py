@@ -234,12 +234,15 @@ class RunLayout:
 
         config.yaml  metadata.json
         <stage>/log.txt  <stage>/manifest.json  <stage>/skip.json
+        <stage>/profile-rank<R>.pstats|.txt  (PTQ_PROFILE; not outputs)
         quantize/checkpoint  quantize/summary.json
         mmlu/results.json
         export/<name>  export/verify.json
         vllm_smoke/responses.json
         slurm/jobs.json  (and the sbatch scripts beside it)
     """
+
+    PROFILE_PREFIX = "profile-rank"
 
     def __init__(self, path: str):
         self.path = path
@@ -260,6 +263,10 @@ class RunLayout:
 
     def manifest(self, stage: str) -> str:
         return os.path.join(self.path, stage, "manifest.json")
+
+    def profile_base(self, stage: str, rank: int) -> str:
+        """``rank``'s profile of ``stage`` (launcher.profiling), without its suffix (.pstats, .txt)."""
+        return os.path.join(self.path, stage, f"{self.PROFILE_PREFIX}{rank}")
 
     def skip(self, stage: str) -> str:
         """Written by a stage that decided not to do its work (the pipeline records it SKIPPED)."""

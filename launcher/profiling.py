@@ -33,12 +33,13 @@ def stages_to_profile(env: Mapping[str, str] = os.environ) -> frozenset[str]:
 
 
 def profile_paths(run_dir: str, stage: str, rank: int) -> tuple[str, str]:
-    base = os.path.join(RunLayout(run_dir).stage_dir(stage), f"profile-rank{rank}")
+    base = RunLayout(run_dir).profile_base(stage, rank)
     return base + ".pstats", base + ".txt"
 
 
 def summary(profile, top: int = TOP) -> str:
-    """The ``top`` costliest functions by cumulative time, then by own (total) time, as pstats prints them."""
+    """The ``top`` costliest functions by cumulative time, then by own (total) time, as pstats prints
+    them; ``profile``: a ``cProfile.Profile`` or the path of a dumped one."""
     import pstats
 
     out = io.StringIO()
@@ -69,4 +70,4 @@ def maybe_profile(stage: str, rank: int, run_dir: str, env: Mapping[str, str] = 
         os.makedirs(os.path.dirname(raw), exist_ok=True)
         profile.dump_stats(raw)
         with open(text, "w") as f:
-            f.write(summary(raw))
+            f.write(summary(profile))

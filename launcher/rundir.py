@@ -199,7 +199,7 @@ class RunDirectory:
 # -- a stage's published outputs ----------------------------------------------------------------------
 # not outputs: what the executor and the worker write beside them, and what a stage leaves aside
 NOT_OUTPUTS = ("log.txt", "manifest.json")
-NOT_OUTPUT_PREFIXES = ("profile-rank",)   # PTQ_PROFILE's files (launcher.profiling), written by every rank
+NOT_OUTPUT_PREFIXES = (RunLayout.PROFILE_PREFIX,)   # PTQ_PROFILE's files (launcher.profiling), every rank's
 STALE_SUFFIX = ".stale"
 _ASIDE_SUFFIXES = (".rejected", STALE_SUFFIX)
 _HASH_CHUNK = 8 << 20

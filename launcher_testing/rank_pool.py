@@ -55,6 +55,23 @@ FAIL_GRACE_S = 20.0
 POLL_S = 0.05
 
 
+def rank_vars(rank: int, nprocs: int, port: int) -> dict[str, str]:
+    """The variables torchrun would set for ``rank`` of ``nprocs`` on this host."""
+    return {"RANK": str(rank), "WORLD_SIZE": str(nprocs), "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(nprocs), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+
+
+RANK_KEYS = tuple(rank_vars(0, 1, 0))
+
+
+def failure_message(target: str, where: str, timeout_s: float, codes: list, outputs: list[str],
+                    timed_out: bool) -> str:
+    """``target`` on ``where`` (e.g. "4 ranks") failed: why, then every rank's exit code and output tail."""
+    detail = "\n".join(f"----- rank {r} (exit {c}) -----\n{out}" for r, (c, out) in enumerate(zip(codes, outputs)))
+    why = f"timed out after {timeout_s} s" if timed_out else f"exit codes {codes}"
+    return f"{target} on {where}: {why}\n{detail}"
+
+
 @dataclass
 class JobFailure(Exception):
     """A pooled job failed: every participating rank's exit code (None: still running, then
@@ -133,9 +150,7 @@ class RankPool:
         workdir = tempfile.mkdtemp(prefix="job-", dir=self.root)
         port = self.free_port()
         for rank in range(nprocs):
-            rank_env = {"RANK": str(rank), "WORLD_SIZE": str(nprocs), "LOCAL_RANK": str(rank),
-                        "LOCAL_WORLD_SIZE": str(nprocs), "MASTER_ADDR": "127.0.0.1",
-                        "MASTER_PORT": str(port), **(env or {})}
+            rank_env = {**rank_vars(rank, nprocs, port), **(env or {})}
             line = json.dumps({"target": target, "kwargs": kwargs or {}, "env": rank_env,
                                "workdir": workdir, "rank": rank})
             p = self.procs[rank]
@@ -173,9 +188,8 @@ class RankPool:
         codes = [0 if os.path.exists(os.path.join(workdir, f"result{rank}.json")) else p.returncode
                  for rank, p in enumerate(procs)]
         outputs = [self._output(workdir, rank)[-tail_chars:] for rank in range(nprocs)]
-        detail = "\n".join(f"----- rank {r} (exit {c}) -----\n{out}" for r, (c, out) in enumerate(zip(codes, outputs)))
-        why = f"timed out after {timeout_s} s" if timed_out else f"exit codes {codes}"
-        raise JobFailure(f"{target} on {nprocs} pooled ranks: {why}\n{detail}", codes, outputs, timed_out)
+        raise JobFailure(failure_message(target, f"{nprocs} pooled ranks", timeout_s, codes, outputs, timed_out),
+                         codes, outputs, timed_out)
 
     def _output(self, workdir: str, rank: int) -> str:
         """The job's output on ``rank``; the worker's own log when the job never started there
@@ -204,9 +218,7 @@ def _reset_after_job(base_env: dict, threads: int, handlers: dict, rng_state) ->
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     if "launcher.megatron.patches" in mods:
-        patches = mods["launcher.megatron.patches"]
-        patches.undo_all()
-        patches._EVER.clear()         # applied_in_process(): what a stage records, this job's only
+        mods["launcher.megatron.patches"].forget_applied_in_process()   # a stage records this job's only
     if hasattr(torch, "_dynamo"):
         torch._dynamo.reset()
     torch.set_num_threads(threads)

@@ -45,7 +45,7 @@ import time
 from typing import Optional
 
 from launcher_testing import rank_pool
-from launcher_testing.rank_pool import JobFailure, RankPool
+from launcher_testing.rank_pool import RANK_KEYS, JobFailure, RankPool, failure_message, rank_vars
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 POOL_ENV = "PTQ_RANK_POOL"
@@ -56,7 +56,6 @@ POOL_SIZE = 4
 # a pooled worker, started with another value, cannot take a new one
 IMPORT_TIME_PREFIXES = ("PYTHON", "LD_", "OMP_", "MKL_", "KMP_", "CUDA_", "TORCH", "PYTORCH_", "HF_",
                         "TRANSFORMERS_")
-RANK_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 _pool: Optional[RankPool] = None
 fresh_runs: list[tuple[str, str]] = []    # (target, reason) of each call run on fresh processes
@@ -122,11 +121,6 @@ def rank_base_env(env: dict[str, str] | None = None) -> dict[str, str]:
     }
 
 
-def rank_vars(rank: int, nprocs: int, port: int) -> dict[str, str]:
-    return {"RANK": str(rank), "WORLD_SIZE": str(nprocs), "LOCAL_RANK": str(rank),
-            "LOCAL_WORLD_SIZE": str(nprocs), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-
-
 def env_changes(wanted: dict[str, str]) -> dict[str, Optional[str]]:
     """What a pooled job must change in its worker's environment to get ``wanted`` (None: unset);
     against the pool's start environment (the one it would start with, while not started)."""
@@ -168,15 +162,9 @@ def _run_pooled(target: str, nprocs: int, kwargs: dict | None, timeout_s: float,
     try:
         return pool.run(target, nprocs, kwargs, timeout_s=timeout_s, env=env_changes(rank_base_env(env)),
                         tail_chars=tail_chars)
-    except JobFailure as e:
-        raise _failure(target, nprocs, timeout_s, e.returncodes, e.outputs, e.timed_out) from None
-
-
-def _failure(target: str, nprocs: int, timeout_s: float, codes: list, outputs: list[str],
-             timed_out: bool) -> RanksFailed:
-    detail = "\n".join(f"----- rank {r} (exit {c}) -----\n{out}" for r, (c, out) in enumerate(zip(codes, outputs)))
-    why = f"timed out after {timeout_s} s" if timed_out else f"exit codes {codes}"
-    return RanksFailed(f"{target} on {nprocs} ranks: {why}\n{detail}", codes, outputs, timed_out)
+    except JobFailure as e:     # reported as a fresh run's failure is (one message, pooled or not)
+        raise RanksFailed(failure_message(target, f"{nprocs} ranks", timeout_s, e.returncodes, e.outputs, e.timed_out),
+                          e.returncodes, e.outputs, e.timed_out) from None
 
 
 # ---------------------------------------------------------------- fresh processes
@@ -201,7 +189,8 @@ def _run_fresh(target: str, nprocs: int, kwargs: dict | None, timeout_s: float,
             log.close()
         codes = [p.returncode for p in procs]
         if timed_out or any(c != 0 for c in codes):
-            raise _failure(target, nprocs, timeout_s, codes, outputs, timed_out)
+            raise RanksFailed(failure_message(target, f"{nprocs} ranks", timeout_s, codes, outputs, timed_out),
+                              codes, outputs, timed_out)
         results = []
         for rank in range(nprocs):
             with open(os.path.join(workdir, f"result{rank}.json")) as f:

@@ -87,6 +87,10 @@ def test_undo_restores_the_originals_and_cpu_patches_refuse_where_cuda_is_visibl
                "patches.undo_all()\n"
                "assert (torch.cuda.current_device, torch.cuda.Stream, td.maybe_move_tensor_to_cpu) == before\n"
                "assert patches.applied() == [] and patches.applied_in_process() == names\n"
+               "assert apply_cpu_compat() == names and patches.applied() == names\n"
+               "patches.forget_applied_in_process()\n"
+               "assert (torch.cuda.current_device, torch.cuda.Stream, td.maybe_move_tensor_to_cpu) == before\n"
+               "assert patches.applied() == [] and patches.applied_in_process() == []\n"
                "torch.cuda.is_available = lambda: True   # a process that can see a GPU\n"
                "try:\n    patches.apply('cpu_streams')\nexcept patches.PatchRefused as e:\n"
                "    print(int(e.exit_code), e)\n")

@@ -190,6 +190,13 @@ def applied_in_process() -> list[str]:
     return list(_EVER)
 
 
+def forget_applied_in_process() -> None:
+    """Undo every patch in force and forget the record ``applied_in_process`` keeps: the state of a
+    process that never applied one (a pooled test rank between jobs, launcher_testing.rank_pool)."""
+    undo_all()
+    _EVER.clear()
+
+
 def cpu_patches() -> list[str]:
     return [p.name for p in PATCHES.values() if p.cpu_only]
 
