@@ -55,7 +55,8 @@
 #   nano         benchmarks/nano_width.py: a random NemotronH with the Nano card's widths, pattern
 #                $NANO_PATTERNS (default MEM*E; a number N = the card's first N layers), through the
 #                Nano example at world size 1: per-stage breakdown, peak GPU memory, export
-#                throughput, gate MFU (needs .bench/qwen-tokenizer and .bench/mmlu); models and runs
+#                throughput, gate MFU, rank 0's profile of the stages in $NANO_PROFILE (default export;
+#                e.g. quantize,export) (needs .bench/qwen-tokenizer and .bench/mmlu); models and runs
 #                stay in /tmp/nano-work for a later call on this host
 #   nano-vllm    the same (a pattern whose run completed in /tmp/nano-work is reused, not rerun), then
 #                the vLLM smoke on each export (offline mode; needs vllm-install first), with vLLM's own
@@ -166,7 +167,7 @@ for part in $parts; do
   t0=$(date +%s)
   case $part in
     tests)
-      GPU_REPORT_DIR=$out timeout 220 python3 -m pytest -m gpu -p no:cacheprovider -s -q \
+      GPU_REPORT_DIR=$out timeout 320 python3 -m pytest -m gpu -p no:cacheprovider -s -q \
         tests/test_gpu_quantize.py tests/test_export_stage.py 2>&1 | tee "$out/tests.log" ;;
     pipeline)
       timeout 150 python3 -m launcher.cli examples/tiny/Qwen3-MoE-tiny/megatron_lm_ptq.yaml \
@@ -251,7 +252,8 @@ for part in $parts; do
       vllm_arg=(); [ "$part" = nano-vllm ] && vllm_arg=(--vllm "$root/scripts/vllm_site_python"
                                                         --vllm-kernels "${NANO_VLLM_KERNELS:-auto,emulation}")
       timeout "${NANO_TIMEOUT_S:-560}" python3 benchmarks/nano_width.py --out "$out/$part.json" --work /tmp/nano-work \
-        --patterns "${NANO_PATTERNS:-MEM*E}" --timeout "${NANO_TIMEOUT_S:-560}" "${vllm_arg[@]}" 2>&1 | tee "$out/$part.log" ;;
+        --patterns "${NANO_PATTERNS:-MEM*E}" --timeout "${NANO_TIMEOUT_S:-560}" --profile "${NANO_PROFILE:-export}" \
+        "${vllm_arg[@]}" 2>&1 | tee "$out/$part.log" ;;
     nemotron)
       GPU_REPORT_DIR=$out timeout 240 python3 -m pytest -m gpu -p no:cacheprovider -s -q \
         tests/test_gpu_nemotron_h.py 2>&1 | tee "$out/nemotron_tests.log"

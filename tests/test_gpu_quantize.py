@@ -137,3 +137,66 @@ def test_quantize_tiny_moe_on_gpu_nvfp4_and_fp8(tiny_moe):
         assert set(r["enabled_by_format"]) == {fmt}, r
         assert r["relative_error"] < (0.6 if fmt == "nvfp4" else 0.2), r
 
+
+
+def gpu_export_pack_worker(hf_path: str, out: str, cfg_names: list[str]) -> dict:
+    """Quantize on the GPU, then export twice: ModelOpt's exporter packing on the GPU (the product,
+    patch modelopt_export_pack_on_gpu) and on the host (the patch undone, every other fix kept).
+    Each file's sha256 and each export's seconds."""
+    import hashlib
+    import time
+
+    import modelopt.torch.quantization as mtq
+    from modelopt.torch.export import export_mcore_gpt_to_hf
+
+    from launcher.schema import RecipeConfig
+    from launcher.megatron import patches
+    from launcher.megatron.dist import init_distributed, shutdown
+    from launcher.megatron.forward import forward_logits
+    from launcher.megatron.hf_io import export_hf, import_hf_weights
+    from launcher.megatron.models import build_model, unwrap_model
+    from launcher.quant.recipes import resolve_quant_cfg
+    from launcher.topology import ParallelDims
+
+    def digests(d: str) -> dict:
+        return {n: hashlib.sha256(open(os.path.join(d, n), "rb").read()).hexdigest()
+                for n in sorted(os.listdir(d)) if n.endswith(".safetensors") or n == "hf_quant_config.json"}
+
+    dims = ParallelDims(world_size=1)
+    init_distributed(dims, "cuda", timeout_s=300, seed=1234)
+    gen = torch.Generator().manual_seed(5)
+    calib = [torch.randint(0, 256, (2, 32), generator=gen) for _ in range(4)]
+    result = {}
+    for name in cfg_names:
+        model = build_model(hf_path, dims, "cuda", "bfloat16", "alltoall")
+        import_hf_weights(model, hf_path, "bfloat16")
+        fmt = "nvfp4" if "NVFP4" in name else "fp8"
+        mtq.quantize(unwrap_model(model), resolve_quant_cfg(RecipeConfig(name=name, format=fmt, modelopt_cfg=name)),
+                     lambda _: [forward_logits(model, b) for b in calib])
+        r = {}
+        t = time.perf_counter()
+        export_hf(model, hf_path, os.path.join(out, fmt, "gpu"))     # applies every fix, the GPU packing too
+        r["gpu_s"] = time.perf_counter() - t
+        r["patch_applied_for_gpu"] = "modelopt_export_pack_on_gpu" in patches.applied()
+        patches.undo("modelopt_export_pack_on_gpu")
+        t = time.perf_counter()
+        export_mcore_gpt_to_hf(unwrap_model(model), hf_path, dtype=torch.bfloat16,
+                               export_dir=os.path.join(out, fmt, "host"))
+        r["host_s"] = time.perf_counter() - t
+        r["patch_applied_for_host"] = "modelopt_export_pack_on_gpu" in patches.applied()
+        r["gpu"], r["host"] = digests(os.path.join(out, fmt, "gpu")), digests(os.path.join(out, fmt, "host"))
+        result[fmt] = r
+    shutdown()
+    return result
+
+
+def test_export_packed_on_the_gpu_is_byte_for_byte_the_host_packing(tiny_moe, tmp_path):
+    result = run_on_ranks("test_gpu_quantize:gpu_export_pack_worker", nprocs=1, timeout_s=600,
+                          kwargs={"hf_path": tiny_moe, "out": str(tmp_path),
+                                  "cfg_names": ["NVFP4_DEFAULT_CFG", "FP8_DEFAULT_CFG"]},
+                          env={"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0")})[0]
+    print(json.dumps({fmt: {k: v for k, v in r.items() if k not in ("gpu", "host")} for fmt, r in result.items()}))
+    for fmt, r in result.items():
+        assert r["patch_applied_for_gpu"] and not r["patch_applied_for_host"], (fmt, r)
+        assert any(n.endswith(".safetensors") for n in r["gpu"]), (fmt, r["gpu"])
+        assert r["gpu"] == r["host"], (fmt, r["gpu"], r["host"])

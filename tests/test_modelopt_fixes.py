@@ -195,6 +195,43 @@ def test_nvfp4_quantize_packs_the_same_bytes_with_the_fix_and_undoes_cleanly():
     assert NVFP4QTensor.__dict__["_cast_fp4"] is original
 
 
+def test_export_pack_on_gpu_routes_only_host_weights_to_the_device_and_returns_host_codes():
+    """``pack_on``'s routing, with the meta device standing in for CUDA: a plain host tensor is
+    packed on the device and its codes come back to the host; a weight already on a device (the
+    gate's fold) and a Parameter (ModelOpt's QTensorWrapper is one) reach ModelOpt as they are.
+    The bytes on a real GPU: tests/test_gpu_quantize.py."""
+    from launcher.megatron.modelopt_fixes import pack_on
+
+    seen = []
+
+    def original(weight, scale, fmt, *rest):
+        seen.append((weight.device.type, type(weight).__name__, fmt, rest))
+        return torch.zeros(2, dtype=torch.uint8, device=weight.device) if weight.device.type == "cpu" \
+            else torch.empty(2, dtype=torch.uint8, device=weight.device)
+
+    meta = torch.device("meta")
+    wrapped = pack_on(meta, original)
+    assert wrapped.__wrapped__ is original
+    with pytest.raises(NotImplementedError, match="meta"):      # host codes are asked for: .cpu() of meta
+        wrapped(torch.ones(4), None, "nvfp4", "scale_2", 16)
+    assert seen.pop() == ("meta", "Tensor", "nvfp4", ("scale_2", 16))
+    assert wrapped(torch.ones(4, device=meta), None, "fp8").device == meta
+    assert seen.pop() == ("meta", "Tensor", "fp8", ())
+    out = wrapped(torch.nn.Parameter(torch.ones(4)), None, "fp8")
+    assert seen.pop() == ("cpu", "Parameter", "fp8", ()) and out.device.type == "cpu"
+
+
+def test_export_pack_on_gpu_is_not_applied_on_a_rank_without_cuda():
+    from launcher.megatron import patches
+    import modelopt.torch.export.unified_export_megatron as exporter
+
+    assert not torch.cuda.is_available()
+    before = exporter.to_quantized_weight
+    assert patches.apply("modelopt_export_pack_on_gpu") is False
+    assert "modelopt_export_pack_on_gpu" not in patches.applied()
+    assert exporter.to_quantized_weight is before
+
+
 def nvfp4_export_bytes_worker(src: str, out: str) -> dict:
     """NVFP4-quantize a tiny model on CPU, export it with ModelOpt's own E2M1 cast and again with the
     fast one (every other fix applied to both): each file's sha256."""

@@ -34,11 +34,22 @@ comparisons (``>`` at the bounds that round down on a tie, ``>=`` at those that 
 the even code, as ModelOpt's ``searchsorted`` + odd-bound test does; NaN gives code 7 as
 ``searchsorted`` sorts it last).  ``tests/test_modelopt_fixes.py`` checks the codes and the
 exported files byte for byte against ModelOpt's own; ``benchmarks/export_pack.py`` measures both.
+
+``export_pack_on_gpu`` - speed, the same bytes, CUDA ranks only.  The exporter reads every weight
+to the host (``module.weight.to(dtype).cpu()``) and packs it there: on an H100 the Nano-width
+export wrote 35 M parameters/s, nearly all of it host arithmetic.  The fix packs on the rank's GPU
+instead: ``to_quantized_weight`` gets a host weight, copies it to the current CUDA device, packs
+it there with ModelOpt's own code (and the fixes above) and returns the codes to the host, where
+the exporter expects them.  The arithmetic is elementwise IEEE division and comparisons, the same
+on both devices (the H200 probe, ``gpu_checks.sh probe``: the same bytes for NVFP4 and FP8), and it
+is the device the MMLU gate's folded weights are computed on (``exported_weights``).  On a rank
+without CUDA the patch has nothing to do and is not applied.  ``tests/test_gpu_quantize.py``
+exports one model both ways and compares the files byte for byte.
 """
 from __future__ import annotations
 
 FIXES = ("modelopt_fp8_export_single_rounding", "modelopt_nemotron_h_embedding_name",
-         "modelopt_nvfp4_fast_cast")   # patch register names
+         "modelopt_nvfp4_fast_cast", "modelopt_export_pack_on_gpu")   # patch register names
 
 
 def fp8_export_single_rounding(rec) -> None:
@@ -111,6 +122,34 @@ def nvfp4_fast_cast(rec) -> None:
 
     _cast_fp4.__wrapped__ = original
     rec.set(NVFP4QTensor, "_cast_fp4", classmethod(_cast_fp4))
+
+
+def pack_on(device, original):
+    """``to_quantized_weight`` that packs a host weight on ``device`` and returns host codes; a weight
+    already on a device (the gate's fold) or already packed (ModelOpt's ``QTensorWrapper``) goes to
+    ``original`` as it is."""
+    import torch
+
+    def to_quantized_weight(weight, *args, **kwargs):
+        if type(weight) is not torch.Tensor or weight.device.type != "cpu":   # QTensorWrapper: a Parameter
+            return original(weight, *args, **kwargs)
+        packed = original(weight.to(device), *args, **kwargs)
+        return packed.cpu() if isinstance(packed, torch.Tensor) else packed
+
+    to_quantized_weight.__wrapped__ = original
+    return to_quantized_weight
+
+
+def export_pack_on_gpu(rec) -> bool:
+    import torch
+
+    if not torch.cuda.is_available():
+        return False    # a CPU rank: the exporter's host arithmetic is all there is
+    import modelopt.torch.export.unified_export_megatron as exporter
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    rec.set(exporter, "to_quantized_weight", pack_on(device, exporter.to_quantized_weight))
+    return True
 
 
 def apply_modelopt_fixes() -> list[str]:
