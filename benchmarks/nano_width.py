@@ -30,6 +30,7 @@ import argparse
 import glob
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -93,6 +94,29 @@ def param_counts(model, top_k: int, n_experts: int) -> dict:
     return {"total": total, "routed_experts": experts, "embedding": embed, "active_non_embedding": active}
 
 
+# what one pattern writes under --work, in units of its bf16 checkpoint: the source itself, quantize's
+# Megatron checkpoint (the bf16 weights again) and the NVFP4 export (0.43-0.45x measured), rounded up
+DISK_PER_BF16_BYTE = 2.5
+
+
+class NotEnoughDisk(RuntimeError):
+    pass
+
+
+def check_disk(work: str, params: int, free: int | None = None) -> int:
+    """Refuse a pattern whose files would not fit under ``work`` (the H200's 64 GiB disk filled on the
+    13-layer pattern after two others, 2026-12-06); returns the bytes it needs."""
+    need = int(2 * params * DISK_PER_BF16_BYTE)
+    free = shutil.disk_usage(work).free if free is None else free
+    if free < need:
+        raise NotEnoughDisk(
+            f"--work {work}: {free / 1e9:.1f} GB free, a {params / 1e9:.2f} B-parameter pattern needs about "
+            f"{need / 1e9:.1f} GB ({DISK_PER_BF16_BYTE}x its {2 * params / 1e9:.1f} GB bf16 checkpoint: the "
+            f"source, quantize's checkpoint, the export); remove earlier patterns' nano-N/ and runs/nano-width-N/ "
+            f"there, or give another --work")
+    return need
+
+
 def build_model(out: str, card: dict, pattern: str, device: str, seed: int = 0) -> dict:
     import torch
     import transformers
@@ -101,6 +125,8 @@ def build_model(out: str, card: dict, pattern: str, device: str, seed: int = 0) 
     tok = transformers.AutoTokenizer.from_pretrained(out)
     vocab = (len(tok) + 127) // 128 * 128
     config = nano_config(card, pattern, vocab, tok)
+    with torch.device("meta"):
+        check_disk(os.path.dirname(out), sum(p.numel() for p in transformers.NemotronHForCausalLM(config).parameters()))
     torch.manual_seed(seed)
     t = time.perf_counter()
     with torch.device(device):
@@ -261,7 +287,12 @@ def run_pattern(spec: str, card: dict, work: str, args) -> dict:
         entry.update(derived(entry["stages"], model))
     else:
         log(f"pattern {pattern}: building the model in {hf}")
-        model = build_model(hf, card, pattern, args.device)
+        try:
+            model = build_model(hf, card, pattern, args.device)
+        except NotEnoughDisk as e:
+            log(f"  refused: {e}")
+            return {"spec": spec, "model": {"pattern": pattern, "params": {"total": 0}}, "exit": "no disk",
+                    "error": str(e)}
         write_json(model_json, model)
         log(f"  {model['params']['total'] / 1e9:.2f} B parameters, {model['bytes_bf16'] / 1e9:.1f} GB, "
             f"built {model['build_s']:.1f} s, saved {model['save_s']:.1f} s")

@@ -113,3 +113,13 @@ def test_a_reused_run_resumes_with_the_launch_it_was_made_with(tmp_path):
     assert nw.recorded_launch(str(path), fresh) == fresh          # nothing recorded: the fresh one
     path.write_text(json.dumps(made))
     assert nw.recorded_launch(str(path), fresh) == made
+
+
+def test_a_pattern_that_would_fill_the_disk_is_refused_with_the_numbers(tmp_path):
+    params = 7_580_000_000                       # Nano's first 13 layers
+    with pytest.raises(nw.NotEnoughDisk) as e:
+        nw.check_disk(str(tmp_path), params, free=20 * 10**9)
+    assert str(e.value).startswith(f"--work {tmp_path}: 20.0 GB free, a 7.58 B-parameter pattern needs about "
+                                   "37.9 GB (2.5x its 15.2 GB bf16 checkpoint: the source, quantize's checkpoint, "
+                                   "the export)")
+    assert nw.check_disk(str(tmp_path), params, free=38 * 10**9) == 37_900_000_000
