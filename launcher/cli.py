@@ -133,7 +133,7 @@ class RunVerb:
             profiling.stages_to_profile()
         except ValueError as e:
             raise UserError(str(e)) from None
-        from launcher.pipeline import run_pipeline
+        from launcher.pipeline import OUT_OF_SPACE, run_pipeline
         from launcher.rundir import RunDirectory
 
         resume = args.flag("--resume")
@@ -143,7 +143,13 @@ class RunVerb:
                 raise UserError(f"--resume {resume}: not a run directory (no metadata.json)")
             run.write_config(cfg)
         else:
-            run = RunDirectory.create(cfg, run_id=args.flag("--run-id"))
+            try:
+                run = RunDirectory.create(cfg, run_id=args.flag("--run-id"))
+            except OSError as e:
+                if e.errno not in OUT_OF_SPACE:
+                    raise
+                raise UserError(f"runs_root={cfg.runs_root}: the run directory could not be written, no space "
+                                f"left on the device ({e})") from None
         print(f"[launch] run directory: {run.path}", flush=True)
         try:
             return run_pipeline(cfg, run, resume=bool(resume), preflight_only=bool(args.flag("--preflight")),

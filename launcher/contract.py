@@ -178,11 +178,18 @@ def report_user_error(prefix: str, error: UserError, log_path: str, traceback_te
 
 # -- atomic writers -------------------------------------------------------------------------------
 def write_text_atomic(path: str, text: str) -> None:
+    """``path`` holds the old text or the new one, never a part; a failed write (a full disk) leaves
+    no temporary file behind."""
     tmp = f"{path}.tmp-{os.getpid()}"
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
 
 
 def write_json_atomic(path: str, data: Any) -> None:

@@ -9,8 +9,10 @@ against the manifest and skips the stage only if they verify.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shutil
 import sys
 import time
 from typing import Optional
@@ -169,13 +171,15 @@ def drive(executor: Executor, run: RunDirectory, plans: list[StagePlan], preflig
             run.update_stage(stage, **fields)
         print(f"[launch] {stage}: {message}", flush=True)
 
-    final_code, done = 0, 0
+    final_code, done, recording = 0, 0, None
     try:
         for result in executor.run(plans, progress, preflight_only=preflight_only, detach=detach):
             plan = plans[done]
             assert result.name == plan.name, (result.name, plan.name)
             done += 1
+            recording = plan.name
             status = _record_stage_outcome(run, plan.name, result.state, result.exit_code)
+            recording = None
             if result.duration_s is not None:
                 print(f"[launch] {plan.name}: {status} in {result.duration_s:.1f}s (exit {result.exit_code})", flush=True)
             if result.interrupted:
@@ -197,6 +201,11 @@ def drive(executor: Executor, run: RunDirectory, plans: list[StagePlan], preflig
             if not plan.allow_to_fail and not executor.chains_failures:
                 _mark_not_run(run, [p.name for p in plans[done:]], f"{plan.name} failed")
                 break
+    except OSError as e:
+        if e.errno not in OUT_OF_SPACE:
+            raise
+        executor.cancel()
+        return _out_of_space(run, recording or (plans[done].name if done < len(plans) else None), e)
     except KeyboardInterrupt:
         executor.cancel()
         for plan in plans[done:]:
@@ -210,6 +219,27 @@ def drive(executor: Executor, run: RunDirectory, plans: list[StagePlan], preflig
                    exit_code=final_code)
     _print_summary(run)
     return final_code
+
+
+OUT_OF_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+def _out_of_space(run: RunDirectory, stage: Optional[str], error: OSError) -> int:
+    """The file system holding the run directory filled up while ``stage`` ran (its log, or a file the
+    launcher writes): the stage is stopped; say so with the free space and the way on, and record it
+    in metadata.json if the disk still takes that."""
+    free = shutil.disk_usage(run.path).free
+    print(f"[launch] {stage + ': ' if stage else ''}no space left on the device: {error}", flush=True)
+    print(f"[launch] {run.path}: {free / 1e9:.2f} GB free on its file system; free space there, then "
+          f"`launch <config> --resume {run.path}` (completed stages are kept)", flush=True)
+    try:
+        if stage:
+            run.update_stage(stage, status=StageStatus.FAILED, reason=f"no space left on the device: {error}")
+        run.update_run(status=StageStatus.FAILED, ended=time.time(), exit_code=int(ExitCode.FAILED))
+    except OSError as again:
+        print(f"[launch] metadata.json could not be updated either ({again}): it may still say "
+              f"{stage or 'the run'} is running", flush=True)
+    return ExitCode.FAILED
 
 
 def _mark_not_run(run: RunDirectory, stages: list[str], why: str) -> None:

@@ -80,6 +80,9 @@ class LocalExecutor:
                 self.cancel()
                 log.write("# cancelled (Ctrl-C)\n")
                 return StageResult(plan.name, CANCELLED, ExitCode.CANCELLED, time.time() - start, interrupted=True)
+            except BaseException:     # the launcher's side failed (its log on a full disk): stop the stage too
+                self.cancel()
+                raise
             finally:
                 self._proc = None
         return StageResult(plan.name, COMPLETED if code == 0 else FAILED, code, time.time() - start)
