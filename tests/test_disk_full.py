@@ -54,6 +54,7 @@ def _gone_within(pid: int, seconds: float) -> bool:
     return not _alive(pid)
 
 
+@pytest.mark.slow        # the local agent's start and its stop of the rank: about 16 s, out of make test-fast
 def test_a_stage_that_fills_the_disk_is_stopped_and_said_so(small_fs, tmp_path, capsys):
     from launcher.executors.local import LocalExecutor
 
