@@ -126,7 +126,9 @@ def build_model(out: str, card: dict, pattern: str, device: str, seed: int = 0) 
     vocab = (len(tok) + 127) // 128 * 128
     config = nano_config(card, pattern, vocab, tok)
     with torch.device("meta"):
-        check_disk(os.path.dirname(out), sum(p.numel() for p in transformers.NemotronHForCausalLM(config).parameters()))
+        planned = param_counts(transformers.NemotronHForCausalLM(config), card["num_experts_per_tok"],
+                               card["n_routed_experts"])
+    check_disk(os.path.dirname(out), planned["total"])
     torch.manual_seed(seed)
     t = time.perf_counter()
     with torch.device(device):

@@ -90,15 +90,27 @@ def test_cpu_nvfp4_path_matches_gpu_kernel(tiny_moe):
         assert r["max_abs_diff"] <= r["one_step"] + 1e-6, (name, r)
 
 
-def gpu_quantize_worker(hf_path: str, cfg_names: list[str]) -> dict:
+def quantize_on_gpu(model, cfg_name: str, calib: list) -> str:
+    """Quantize ``model`` in place with ModelOpt's ``cfg_name`` (NVFP4_DEFAULT_CFG, FP8_DEFAULT_CFG),
+    calibrated on the token batches ``calib``, through the product's recipe resolution; the format."""
     import modelopt.torch.quantization as mtq
 
+    from launcher.megatron.forward import forward_logits
+    from launcher.megatron.models import unwrap_model
+    from launcher.quant.recipes import resolve_quant_cfg
     from launcher.schema import RecipeConfig
+
+    fmt = "nvfp4" if "NVFP4" in cfg_name else "fp8"
+    mtq.quantize(unwrap_model(model), resolve_quant_cfg(RecipeConfig(name=cfg_name, format=fmt, modelopt_cfg=cfg_name)),
+                 lambda _: [forward_logits(model, b) for b in calib])
+    return fmt
+
+
+def gpu_quantize_worker(hf_path: str, cfg_names: list[str]) -> dict:
     from launcher.megatron.dist import init_distributed, shutdown
     from launcher.megatron.forward import forward_logits
     from launcher.megatron.hf_io import import_hf_weights
-    from launcher.megatron.models import build_model, unwrap_model
-    from launcher.quant.recipes import resolve_quant_cfg
+    from launcher.megatron.models import build_model
     from launcher.quant.summary import check_summary, gather_summary
     from launcher.topology import ParallelDims
 
@@ -112,9 +124,7 @@ def gpu_quantize_worker(hf_path: str, cfg_names: list[str]) -> dict:
         model = build_model(hf_path, dims, "cuda", "bfloat16", "alltoall")
         import_hf_weights(model, hf_path, "bfloat16")
         reference = forward_logits(model, tokens)
-        cfg = resolve_quant_cfg(RecipeConfig(name=name, format="nvfp4" if "NVFP4" in name else "fp8",
-                                             modelopt_cfg=name))
-        mtq.quantize(unwrap_model(model), cfg, lambda _: [forward_logits(model, b) for b in calib])
+        quantize_on_gpu(model, name, calib)
         logits = forward_logits(model, tokens)
         summary = gather_summary(model)
         out[name] = {"wrapper": type(model).__name__, "finite": bool(torch.isfinite(logits).all()),
@@ -138,28 +148,23 @@ def test_quantize_tiny_moe_on_gpu_nvfp4_and_fp8(tiny_moe):
         assert r["relative_error"] < (0.6 if fmt == "nvfp4" else 0.2), r
 
 
-
 def gpu_export_pack_worker(hf_path: str, out: str, cfg_names: list[str]) -> dict:
     """Quantize on the GPU, then export twice: ModelOpt's exporter packing on the GPU (the product,
     patch modelopt_export_pack_on_gpu) and on the host (the patch undone, every other fix kept).
     Each file's sha256 and each export's seconds."""
-    import hashlib
     import time
 
-    import modelopt.torch.quantization as mtq
     from modelopt.torch.export import export_mcore_gpt_to_hf
 
-    from launcher.schema import RecipeConfig
     from launcher.megatron import patches
     from launcher.megatron.dist import init_distributed, shutdown
-    from launcher.megatron.forward import forward_logits
     from launcher.megatron.hf_io import export_hf, import_hf_weights
     from launcher.megatron.models import build_model, unwrap_model
-    from launcher.quant.recipes import resolve_quant_cfg
+    from launcher.rundir import file_sha256
     from launcher.topology import ParallelDims
 
     def digests(d: str) -> dict:
-        return {n: hashlib.sha256(open(os.path.join(d, n), "rb").read()).hexdigest()
+        return {n: file_sha256(os.path.join(d, n))
                 for n in sorted(os.listdir(d)) if n.endswith(".safetensors") or n == "hf_quant_config.json"}
 
     dims = ParallelDims(world_size=1)
@@ -170,9 +175,7 @@ def gpu_export_pack_worker(hf_path: str, out: str, cfg_names: list[str]) -> dict
     for name in cfg_names:
         model = build_model(hf_path, dims, "cuda", "bfloat16", "alltoall")
         import_hf_weights(model, hf_path, "bfloat16")
-        fmt = "nvfp4" if "NVFP4" in name else "fp8"
-        mtq.quantize(unwrap_model(model), resolve_quant_cfg(RecipeConfig(name=name, format=fmt, modelopt_cfg=name)),
-                     lambda _: [forward_logits(model, b) for b in calib])
+        fmt = quantize_on_gpu(model, name, calib)
         r = {}
         t = time.perf_counter()
         export_hf(model, hf_path, os.path.join(out, fmt, "gpu"))     # applies every fix, the GPU packing too

@@ -147,8 +147,8 @@ def export_pack_on_gpu(rec) -> bool:
         return False    # a CPU rank: the exporter's host arithmetic is all there is
     import modelopt.torch.export.unified_export_megatron as exporter
 
-    device = torch.device("cuda", torch.cuda.current_device())
-    rec.set(exporter, "to_quantized_weight", pack_on(device, exporter.to_quantized_weight))
+    # "cuda": the current device when each weight is packed (the rank's, set by init_distributed)
+    rec.set(exporter, "to_quantized_weight", pack_on(torch.device("cuda"), exporter.to_quantized_weight))
     return True
 
 
