@@ -253,7 +253,19 @@ for part in $parts; do
                                                         --vllm-kernels "${NANO_VLLM_KERNELS:-auto,emulation}")
       timeout "${NANO_TIMEOUT_S:-560}" python3 benchmarks/nano_width.py --out "$out/$part.json" --work /tmp/nano-work \
         --patterns "${NANO_PATTERNS:-MEM*E}" --timeout "${NANO_TIMEOUT_S:-560}" --profile "${NANO_PROFILE:-export}" \
-        "${vllm_arg[@]}" 2>&1 | tee "$out/$part.log" ;;
+        "${vllm_arg[@]}" 2>&1 | tee "$out/$part.log"
+      rc=$?
+      # vLLM's own log and the responses of each served export (nano_width.py's JSON keeps only the
+      # verdict's fields): which kernels vLLM chose, or its exact error (they go into logs.tgz)
+      if [ "$part" = nano-vllm ]; then
+        for s in /tmp/nano-work/runs/*/*/vllm_smoke; do
+          [ -d "$s" ] || continue
+          job=$(basename "$(dirname "$(dirname "$s")")")
+          cp "$s/log.txt" "$out/$job-vllm-engine.log" 2>/dev/null
+          cp "$s/responses.json" "$out/$job-vllm-responses.json" 2>/dev/null
+        done
+      fi
+      (exit $rc) ;;
     nemotron)
       GPU_REPORT_DIR=$out timeout 240 python3 -m pytest -m gpu -p no:cacheprovider -s -q \
         tests/test_gpu_nemotron_h.py 2>&1 | tee "$out/nemotron_tests.log"
