@@ -196,6 +196,41 @@ def derived(fig: dict, model: dict) -> dict:
     return out
 
 
+def run_launch(cmd: list[str], timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``cmd`` in the repo, its output captured; past ``timeout`` seconds it and every process it started
+    (the stage's ranks, vLLM's engine) are killed and the exit is recorded as ``"timeout"``, with the
+    output so far, so the report keeps the pattern's other figures instead of the script dying on an
+    uncaught TimeoutExpired (or on the caller's outer ``timeout``) with nothing written.  The launch
+    stays in this process group, so an outer ``timeout`` still reaches it."""
+    p = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        out, err = p.communicate(timeout=timeout)
+        return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+    except subprocess.TimeoutExpired:
+        kill_tree(p)
+        try:
+            out, err = p.communicate(timeout=30)
+        except subprocess.TimeoutExpired:          # a descendant we could not find still holds the pipes
+            out, err = "", ""
+        return subprocess.CompletedProcess(cmd, "timeout", out or "",
+                                           (err or "") + f"\n[nano_width] killed after {timeout:.0f} s (--timeout)")
+
+
+def kill_tree(p: subprocess.Popen) -> None:
+    """SIGKILL ``p`` and its descendants (psutil, on the GPU image; without it, ``p`` alone)."""
+    try:
+        import psutil
+        procs = psutil.Process(p.pid).children(recursive=True)
+    except Exception:  # noqa: BLE001 - no psutil, or p already gone: p alone
+        procs = []
+    for proc in procs:
+        try:
+            proc.kill()
+        except Exception:  # noqa: BLE001 - gone already
+            pass
+    p.kill()
+
+
 def launch_argv(hf: str, pattern: str, model: dict, calib: str, runs_root: str, job: str, args,
                 smoke: list[str]) -> list[str]:
     """``launch`` of the Nano example on the built model at world size 1; ``smoke``: the vLLM smoke's overrides."""
@@ -243,6 +278,14 @@ def smoke_argv(base: list[str], python: str, run: str, nvfp4_kernels: str = "aut
     return [a for a in base if not a.startswith("stages.vllm_smoke.enabled=")] + smoke + ["--resume", run]
 
 
+def _stat(path: str) -> tuple | None:
+    try:
+        st = os.stat(path)
+        return st.st_mtime_ns, st.st_ino, st.st_size
+    except FileNotFoundError:
+        return None
+
+
 def serve_with_vllm(base: list[str], run: str, args) -> dict:
     """The vLLM smoke (offline mode, ``--vllm`` interpreter) on the run's export, by ``launch --resume``,
     once per ``--vllm-kernels`` choice (vLLM's own, and its NVFP4 emulation: the export at its own
@@ -251,12 +294,15 @@ def serve_with_vllm(base: list[str], run: str, args) -> dict:
     for kind in args.vllm_kernels.split(","):
         cmd = smoke_argv(base, args.vllm, run, kind)
         log(f"  vLLM ({kind}): " + " ".join(cmd))
+        files = {name: os.path.join(run, "vllm_smoke", name) for name in ("responses.json", "skip.json")}
+        before = {name: _stat(path) for name, path in files.items()}
         t = time.perf_counter()
-        p = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=args.timeout)
+        p = run_launch(cmd, args.timeout)
         out = {"exit": p.returncode, "wall_s": time.perf_counter() - t}
-        for name in ("responses.json", "skip.json"):
-            path = os.path.join(run, "vllm_smoke", name)
-            if os.path.exists(path):
+        for name, path in files.items():
+            # this launch's own files only: a launch that failed or timed out before writing its verdict
+            # would otherwise report the previous kernels' (e.g. auto's, before emulation's)
+            if os.path.exists(path) and _stat(path) != before[name]:
                 with open(path) as f:
                     doc = json.load(f)
                 out[name.split(".")[0]] = {k: doc.get(k) for k in (
@@ -304,8 +350,7 @@ def run_pattern(spec: str, card: dict, work: str, args) -> dict:
         log("  " + " ".join(base))
         t = time.perf_counter()
         with GpuMemorySampler() as mem:
-            p = subprocess.run(base, cwd=REPO_ROOT, capture_output=True, text=True, timeout=args.timeout,
-                               env={**os.environ, "PTQ_PROFILE": args.profile})
+            p = run_launch(base, args.timeout, env={**os.environ, "PTQ_PROFILE": args.profile})
         wall = time.perf_counter() - t
         runs = sorted(glob.glob(os.path.join(runs_root, job, "*")), key=os.path.getmtime)
         entry = {"spec": spec, "model": model, "launch_wall_s": wall, "exit": p.returncode,

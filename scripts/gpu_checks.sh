@@ -249,10 +249,12 @@ for part in $parts; do
       PTQ_CACHE_DIR=${PTQ_CACHE_DIR:-/tmp/ptq-cache} timeout 300 python3 -m launcher_testing.models smollm2 \
         "$SMOLLM2_HF" --wheel "$whl" 2>&1 | tee "$out/smollm2.log" ;;
     nano|nano-vllm)
+      # each launch's own limit 30 s inside the part's, so nano_width.py records a launch that ran out
+      # of time (exit "timeout", with its output) and writes its JSON before the part is killed
       vllm_arg=(); [ "$part" = nano-vllm ] && vllm_arg=(--vllm "$root/scripts/vllm_site_python"
                                                         --vllm-kernels "${NANO_VLLM_KERNELS:-auto,emulation}")
       timeout "${NANO_TIMEOUT_S:-560}" python3 benchmarks/nano_width.py --out "$out/$part.json" --work /tmp/nano-work \
-        --patterns "${NANO_PATTERNS:-MEM*E}" --timeout "${NANO_TIMEOUT_S:-560}" --profile "${NANO_PROFILE:-export}" \
+        --patterns "${NANO_PATTERNS:-MEM*E}" --timeout "$(( ${NANO_TIMEOUT_S:-560} - 30 ))" --profile "${NANO_PROFILE:-export}" \
         "${vllm_arg[@]}" 2>&1 | tee "$out/$part.log"
       rc=$?
       # vLLM's own log and the responses of each served export (nano_width.py's JSON keeps only the
