@@ -69,6 +69,11 @@ class Device(Choice):
     cuda = "cuda"
 
 
+class RankStart(Choice):
+    auto = "auto"      # forked from an agent that imported the stack once where ranks cannot use CUDA, else spawned
+    spawn = "spawn"    # every rank a new interpreter (launcher.executors.rank_start)
+
+
 class VllmMode(Choice):
     server = "server"
     offline = "offline"

@@ -15,7 +15,7 @@ from omegaconf import MISSING
 
 from launcher.contract import STAGE_ORDER  # the stage names are the contract's
 from launcher.contract import (
-    BaselineMode, Device, Dispatcher, Dtype, Nvfp4Kernels, OnUnsupported, ShardMode, VllmMode, VllmScoring,
+    BaselineMode, Device, Dispatcher, Dtype, Nvfp4Kernels, OnUnsupported, RankStart, ShardMode, VllmMode, VllmScoring,
     values)
 from launcher.formats import FormatName
 from launcher.schema_rules import owned, path, pattern, ranged, text
@@ -93,6 +93,9 @@ class ExecutorConfig:
 class LocalExecutorConfig(ExecutorConfig):
     kind: str = owned("launcher.config.compose (EXECUTOR_SCHEMAS)", "local")
     master_port: Optional[int] = ranged(None, **_PORT)  # default: a free port
+    # auto: ranks forked from an agent that imported torch/Megatron/ModelOpt once where they cannot
+    # use CUDA (CPU), spawned elsewhere; spawn: always new interpreters (launcher.executors.rank_start)
+    rank_start: RankStart = RankStart.auto
 
 
 @dataclass

@@ -60,6 +60,9 @@ def main(argv: list[str]) -> int:
         os.environ.setdefault(name, value)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local_rank),
                       NODE_RANK=str(env["node_rank"]))
+    from launcher.executors.rank_start import name_process
+
+    name_process(f"{stage}:r{rank}")   # `ps`/`top` tell ranks apart (a forked rank's command line is its agent's)
     if env["num_nodes"] == 1:   # across nodes, loopback is never right: init_distributed says what is missing
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29500")
@@ -71,7 +74,7 @@ def main(argv: list[str]) -> int:
 
     from launcher.paths import cache_dir
 
-    share_kernel_caches(cache_dir())   # before torch: triton and inductor read these at import
+    share_kernel_caches(cache_dir())   # before the first compile (triton and inductor read them lazily)
     cfg = load_run_config(RunLayout(run_dir).config_yaml)
     dims = ParallelDims.from_stage(cfg, stage)
     if world != dims.world_size:

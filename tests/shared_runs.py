@@ -56,7 +56,9 @@ def meta(run_dir) -> dict:
 def worker_pids(launch_pid: int, stage: str, rank=None) -> list[int]:
     """The pids of `stage`'s worker ranks (one rank if given) among the descendants of `launch_pid`
     (the `launch` process: it starts the local agent, which starts the ranks): other runs on the
-    machine (another test session, a user's demo) are never matched."""
+    machine (another test session, a user's demo) are never matched.  A rank is told by the name
+    the worker gives its process, ``<stage>:r<rank>`` (spawned or forked: a forked rank's command
+    line and environment at start are its agent's)."""
     import psutil
 
     out = []
@@ -66,12 +68,11 @@ def worker_pids(launch_pid: int, stage: str, rank=None) -> list[int]:
         return []
     for p in descendants:
         try:
-            cmd = p.cmdline()
-            if "launcher.worker" in cmd and stage in cmd and "local_agent" not in " ".join(cmd):
-                if rank is None or p.environ().get("RANK") == str(rank):
-                    out.append(p.pid)
+            name = p.name()
         except psutil.Error:   # ended meanwhile
             continue
+        if name == f"{stage}:r{rank}" or (rank is None and name.startswith(f"{stage}:r")):
+            out.append(p.pid)
     return out
 
 

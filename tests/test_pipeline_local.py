@@ -21,9 +21,11 @@ pytestmark = pytest.mark.slow
 
 
 def test_preflight_every_stage_on_gloo(tmp_path, tiny_dir):
-    proc = launch(f"runs_root={tmp_path}", "--preflight")
+    """Spawned ranks (every other local run here forks them: launcher.executors.rank_start)."""
+    proc = launch(f"runs_root={tmp_path}", "executor.rank_start=spawn", "--preflight")
     code, out = finish(proc)
     assert code == 0, out
+    assert "forked after one import" not in out, out
     for stage in ("quantize", "mmlu", "export"):
         assert f"[{stage} r0" in out and "preflight ok" in out
     run_dir = out.split("[launch] run directory: ")[1].split("\n")[0]
@@ -47,6 +49,7 @@ def test_resume_runs_every_stage(tiny_run, tmp_path):
     """2. resume: everything runs and passes (the shared run's second launch)."""
     code, out = tiny_run.resume_code, tiny_run.resume_out
     assert code == 0, out
+    assert out.count("[local-agent] 4 rank(s) forked after one import of torch") == 3, out   # CPU: forked
     run_dir = str(tiny_run.copy_completed(tmp_path / "runs"))
     m = meta(run_dir)
     assert [m["stages"][s]["status"] for s in ("quantize", "mmlu", "export", "vllm_smoke")] == [

@@ -48,7 +48,9 @@ class LocalExecutor:
         return self.agent_argv(plan, self.cfg.master_port or 0)
 
     def agent_argv(self, plan: StagePlan, port: int) -> list[str]:
-        return [sys.executable, "-m", "launcher.executors.local_agent", str(plan.world_size), str(port), "--", *plan.argv]
+        start = str(getattr(self.cfg, "rank_start", None) or "auto")
+        return [sys.executable, "-m", "launcher.executors.local_agent", str(plan.world_size), str(port),
+                "--start", start, "--", *plan.argv]
 
     def environment(self, plan: StagePlan) -> dict[str, str]:
         env = dict(os.environ)

@@ -1,34 +1,69 @@
-"""`python -m launcher.executors.local_agent NPROC PORT -- CMD...`: one local stage's ranks.
+"""`python -m launcher.executors.local_agent NPROC PORT [--start auto|spawn] -- CMD...`: one local stage's ranks.
 
 Runs torch.distributed.run's elastic agent as a library (``elastic_launch``): it starts NPROC
-worker processes with RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT set, watches
-them, and when one rank dies (an exception, SIGKILL, a failed gate) tears the others down.
-This process exits with the failing rank's exit code (0 when every rank succeeded), so the
-stage's meaning (gate failed = 3, desync = 4, ...) reaches the pipeline.
+workers with RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT set, watches them, and
+when one rank dies (an exception, SIGKILL, a failed gate) tears the others down.  This process
+exits with the failing rank's exit code (0 when every rank succeeded), so the stage's meaning
+(gate failed = 3, desync = 4, ...) reaches the pipeline.
+
+``--start auto`` (``executor.rank_start``) forks the ranks from this process after it imported
+torch, Megatron-Core and ModelOpt once, where that is safe (``launcher.executors.rank_start``
+says when); otherwise, and with ``--start spawn``, each rank is a new interpreter running CMD.
 
 Its own process is separate from `launch` so the console/log tee and Ctrl-C handling stay in
 the launcher, which imports no torch.
 """
 from __future__ import annotations
 
+import os
 import sys
+
+USAGE = "usage: python -m launcher.executors.local_agent NPROC PORT [--start auto|spawn] -- CMD [ARGS...]"
+
+
+def parse(argv: list[str]) -> tuple[int, int, str, list[str]]:
+    """(nproc, port, start, cmd); ValueError with the usage for anything else."""
+    if "--" not in argv:
+        raise ValueError(USAGE)
+    head, cmd = argv[:argv.index("--")], argv[argv.index("--") + 1:]
+    start = "spawn"
+    if len(head) == 4 and head[2] == "--start":
+        start = head[3]
+        head = head[:2]
+    if len(head) != 2 or not cmd or start not in ("auto", "spawn") or not all(h.isdigit() for h in head):
+        raise ValueError(USAGE)
+    return int(head[0]), int(head[1]), start, cmd
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) < 4 or argv[2] != "--":
-        print("usage: python -m launcher.executors.local_agent NPROC PORT -- CMD [ARGS...]", file=sys.stderr)
+    try:
+        nproc, port, start, cmd = parse(argv)
+    except ValueError as e:
+        print(e, file=sys.stderr)
         return 2
-    nproc, port, cmd = int(argv[0]), int(argv[1]), argv[3:]
+    import torch
+    from launcher.executors import rank_start
+
+    method, why = rank_start.choose(start, cmd, os.environ, torch.version.cuda)
+    entrypoint, args = cmd[0], cmd[1:]
+    if method == rank_start.FORK:
+        took = rank_start.preload()
+        print(f"[local-agent] {nproc} rank(s) forked after one import of {', '.join(rank_start.PRELOAD)} "
+              f"({took:.1f}s; {why})", flush=True)
+        entrypoint, args = rank_start.run_forked_rank, rank_start.forkable(cmd)
+        rank_start.quiet_failed_rank_tracebacks()
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc,
         rdzv_backend="static", rdzv_endpoint=f"127.0.0.1:{port}", rdzv_configs={"rank": 0, "timeout": 120},
-        max_restarts=0, monitor_interval=0.2, start_method="spawn", run_id=f"stage-{port}",
+        max_restarts=0, monitor_interval=0.2, start_method=method, run_id=f"stage-{port}",
     )
+    sys.stdout.flush()
+    sys.stderr.flush()
     try:
-        elastic_launch(config, entrypoint=cmd[0])(*cmd[1:])
+        elastic_launch(config, entrypoint=entrypoint)(*args)
     except ChildFailedError as e:
         failures = sorted(e.failures.items())
         for rank, failure in failures:

@@ -1,0 +1,99 @@
+"""How the local agent starts a stage's ranks (launcher.executors.rank_start, local_agent): the choice
+between a fork from the preloaded agent and a spawn, the agent's command line, the rank names.
+
+The forked path runs for real in every local pipeline test on this CPU machine (torch is a CPU
+build); ``test_preflight_every_stage_on_gloo`` (test_pipeline_local) keeps the spawned path running
+on CPU, and the GPU checks run it on CUDA.
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from launcher.executors import rank_start
+from launcher.executors.local import LocalExecutor
+from launcher.executors.local_agent import USAGE, parse
+
+PY = sys.executable
+WORKER = [PY, "-m", "launcher.worker", "quantize", "/runs/x"]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_auto_forks_where_the_ranks_cannot_use_cuda():
+    assert rank_start.choose("auto", WORKER, {"CUDA_VISIBLE_DEVICES": ""}, "13.0") == (
+        "fork", "CUDA is hidden from the ranks")
+    assert rank_start.choose("auto", WORKER, {}, None) == ("fork", "torch is a CPU build")
+    assert rank_start.choose("auto", WORKER, {"CUDA_VISIBLE_DEVICES": ""}, None)[0] == "fork"
+
+
+def test_auto_spawns_ranks_that_may_use_a_gpu():
+    for environ in ({}, {"CUDA_VISIBLE_DEVICES": "0,1"}):
+        assert rank_start.choose("auto", WORKER, environ, "13.0") == (
+            "spawn", "the ranks may use a GPU (CUDA must not be initialised before a fork)")
+
+
+def test_spawn_is_spawn_everywhere():
+    for environ, cuda in (({}, None), ({"CUDA_VISIBLE_DEVICES": ""}, "13.0")):
+        assert rank_start.choose("spawn", WORKER, environ, cuda) == ("spawn", "executor.rank_start=spawn")
+
+
+def test_only_this_interpreter_running_a_forkable_module_is_forked():
+    assert rank_start.forkable(WORKER) == ["launcher.worker", "quantize", "/runs/x"]
+    other_module = [PY, "-m", "launcher.cli", "x.yaml"]
+    other_python = ["/usr/bin/python3-not-this-one", "-m", "launcher.worker", "quantize", "/runs/x"]
+    script = [PY, "worker.py", "quantize"]
+    for cmd in (other_module, other_python, script, [PY]):
+        assert rank_start.forkable(cmd) is None, cmd
+        method, why = rank_start.choose("auto", cmd, {"CUDA_VISIBLE_DEVICES": ""}, None)
+        assert (method, why) == ("spawn", f"the command is not `{PY} -m` one of launcher.worker"), cmd
+
+
+def test_the_agent_parses_its_command_line_and_refuses_anything_else():
+    assert parse(["4", "29500", "--", *WORKER]) == (4, 29500, "spawn", WORKER)
+    assert parse(["4", "29500", "--start", "auto", "--", *WORKER]) == (4, 29500, "auto", WORKER)
+    for bad in (["4", "29500", *WORKER], ["4", "--", *WORKER], ["4", "29500", "--start", "fork", "--", *WORKER],
+                ["four", "29500", "--", *WORKER], ["4", "29500", "--"]):
+        with pytest.raises(ValueError) as e:
+            parse(bad)
+        assert str(e.value) == USAGE, bad
+
+
+def test_the_executor_passes_rank_start_to_the_agent():
+    from omegaconf import OmegaConf
+
+    from launcher.executors.base import StagePlan
+
+    plan = StagePlan(name="quantize", world_size=4, argv=WORKER, env={}, log_path="/runs/x/quantize/log.txt")
+    for cfg, start in (({"master_port": None}, "auto"), ({"master_port": None, "rank_start": "spawn"}, "spawn")):
+        argv = LocalExecutor(OmegaConf.create(cfg), "/runs/x", echo=False).agent_argv(plan, 29500)
+        assert argv == [PY, "-m", "launcher.executors.local_agent", "4", "29500", "--start", start, "--", *WORKER]
+
+
+def test_a_bad_rank_start_is_refused_naming_the_key_and_the_values():
+    proc = subprocess.run([PY, "-m", "launcher.cli", "validate", "examples/tiny/Qwen3-MoE-tiny/megatron_lm_ptq.yaml",
+                           "executor.rank_start=fork"], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    out = proc.stdout + proc.stderr
+    assert "executor.rank_start" in out and "auto" in out and "spawn" in out, out
+
+
+def test_a_process_is_named_for_its_stage_and_rank():
+    code = ("from launcher.executors.rank_start import name_process\n"
+            "name_process('quantize:r3'); print(open('/proc/self/comm').read().strip())\n"
+            "name_process('vllm_smoke:r12-and-more'); print(open('/proc/self/comm').read().strip())")
+    proc = subprocess.run([PY, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["quantize:r3", "vllm_smoke:r12-"]
+
+
+@pytest.mark.torch
+def test_the_preload_leaves_the_mamba_mixer_and_the_patches_to_the_rank():
+    code = ("import sys; from launcher.executors import rank_start\n"
+            "rank_start.preload()\n"
+            "print(sorted(m for m in rank_start.PRELOAD if m in sys.modules))\n"
+            "print([m for m in rank_start.NOT_PRELOADED if m in sys.modules])")
+    proc = subprocess.run([PY, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == [str(sorted(rank_start.PRELOAD)), "[]"]
