@@ -2,7 +2,7 @@
 between a fork from the preloaded agent and a spawn, the agent's command line, the rank names.
 
 The forked path runs for real in every local pipeline test on this CPU machine (torch is a CPU
-build); ``test_preflight_every_stage_on_gloo`` (test_pipeline_local) keeps the spawned path running
+build); ``test_resume_with_unreachable_bound_fails_the_gate`` (test_pipeline_local) keeps the spawned path running
 on CPU, and the GPU checks run it on CUDA.
 """
 import os
