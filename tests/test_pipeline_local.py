@@ -48,6 +48,8 @@ def test_resume_runs_every_stage(tiny_run, tmp_path):
     code, out = tiny_run.resume_code, tiny_run.resume_out
     assert code == 0, out
     assert out.count("[local-agent] 4 rank(s) forked after one import of torch") == 3, out   # CPU: forked
+    # every stage's agent (the smoke's too: it starts, then records its skip) forked from one zygote
+    assert out.count("s, once for the run; torch is a CPU build)") == 4, out
     run_dir = str(tiny_run.copy_completed(tmp_path / "runs"))
     m = meta(run_dir)
     assert [m["stages"][s]["status"] for s in ("quantize", "mmlu", "export", "vllm_smoke")] == [

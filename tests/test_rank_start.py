@@ -1,5 +1,6 @@
 """How the local agent starts a stage's ranks (launcher.executors.rank_start, local_agent): the choice
-between a fork from the preloaded agent and a spawn, the agent's command line, the rank names.
+between a fork from the preloaded agent and a spawn, the agent's command line, the rank names; and
+the run's preloaded process that forks the agents themselves (launcher.executors.local_zygote).
 
 The forked path runs for real in every local pipeline test on this CPU machine (torch is a CPU
 build); ``test_resume_with_unreachable_bound_fails_the_gate`` (test_pipeline_local) keeps the spawned path running
@@ -97,3 +98,49 @@ def test_the_preload_leaves_the_mamba_mixer_and_the_patches_to_the_rank():
                           env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == [str(sorted(rank_start.PRELOAD)), "[]"]
+
+
+def _agent_argv(port: int, run_dir) -> list[str]:
+    return ["1", str(port), "--start", "auto", "--", PY, "-m", "launcher.worker", "quantize", str(run_dir)]
+
+
+@pytest.mark.torch
+def test_the_zygote_forks_agents_whose_ranks_exit_codes_and_tracebacks_come_back(tmp_path):
+    """The run's preloaded process (launcher.executors.local_zygote): an agent forked from it forks its
+    rank; the rank's exception (no config.yaml in its run directory) is printed with its traceback on
+    the stage's pipe and its exit code reaches the executor; a second agent from the same zygote
+    imports nothing again.  Once the zygote is gone, forking an agent says so."""
+    from launcher.executors.local import free_port
+    from launcher.executors.local_zygote import Zygote, ZygoteGone
+
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    with open(tmp_path / "zygote.log", "w") as log:
+        zygote, why = Zygote.start([PY, "-m", "launcher.worker", "quantize", str(tmp_path)], env, log.fileno())
+    assert zygote is not None and why == "CUDA is hidden from the ranks", why
+    try:
+        for attempt in range(2):
+            agent = zygote.fork_agent(_agent_argv(free_port(), tmp_path / "absent"), env, ROOT)
+            out = agent.stdout.read()
+            agent.stdout.close()
+            assert agent.wait(timeout=60) == 1, out
+            assert f"forked after one import of torch, megatron.core, modelopt.torch.quantization, transformers " \
+                   f"({zygote.preload_s:.1f}s, once for the run; CUDA is hidden from the ranks)" in out, out
+            assert "Traceback" in out and "FileNotFoundError" in out and "absent/config.yaml" in out, out
+            assert "[local-agent] rank 0 exited with 1" in out, out
+        os.kill(zygote.proc.pid, 9)
+        zygote.proc.wait()
+        with pytest.raises(ZygoteGone):
+            zygote.fork_agent(_agent_argv(free_port(), tmp_path / "absent"), env, ROOT)
+    finally:
+        zygote.close()
+    assert "Traceback" not in (tmp_path / "zygote.log").read_text()   # its own output: import warnings at most
+
+
+@pytest.mark.torch
+def test_the_zygote_declines_ranks_it_must_not_fork(tmp_path):
+    from launcher.executors.local_zygote import Zygote
+
+    with open(tmp_path / "zygote.log", "w") as log:
+        zygote, why = Zygote.start([PY, "-m", "launcher.cli", "x.yaml"], {**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+                                   log.fileno())
+    assert zygote is None and why == f"the command is not `{PY} -m` one of launcher.worker", why

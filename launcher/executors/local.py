@@ -3,6 +3,9 @@
 `launch` (no torch) starts ``launcher.executors.local_agent`` (torch.distributed's elastic
 agent used as a library) in its own process group, tees its output to the stage's log.txt
 and to the console, and maps its exit code to a state.  Ctrl-C / SIGTERM stop the whole group.
+Where the ranks are forked (``executor.rank_start=auto`` on CPU: launcher.executors.rank_start),
+the agents themselves are forked from one preloaded process per run
+(``launcher.executors.local_zygote``), so the stack is imported once per run, not once per stage.
 """
 from __future__ import annotations
 
@@ -14,8 +17,10 @@ import sys
 import time
 from typing import Iterator
 
-from launcher.contract import Device, ExitCode, StageStatus
+from launcher.contract import Device, ExitCode, RankStart, StageStatus
+from launcher.executors import rank_start
 from launcher.executors.base import CANCELLED, COMPLETED, FAILED, Progress, StagePlan, StageResult
+from launcher.executors.local_zygote import Zygote, ZygoteGone
 
 
 def free_port() -> int:
@@ -34,15 +39,26 @@ class LocalExecutor:
         self.cfg = cfg
         self.run_dir = run_dir
         self.echo = echo
-        self._proc: subprocess.Popen | None = None
+        self._proc = None   # the running stage's agent: a subprocess.Popen, or a ForkedAgent
+        self._zygote: Zygote | None = None
+        self._zygote_tried = False
 
     def run(self, plans: list[StagePlan], progress: Progress, preflight_only: bool = False,
             detach: bool = False) -> Iterator[StageResult]:
         what = "preflight" if preflight_only else "running"
-        for plan in plans:
-            progress(plan.name, f"{what} on {plan.world_size} local rank(s) -> {plan.log_path}",
-                     status=StageStatus.RUNNING, world_size=plan.world_size)
-            yield self.run_stage(plan)
+        try:
+            for plan in plans:
+                progress(plan.name, f"{what} on {plan.world_size} local rank(s) -> {plan.log_path}",
+                         status=StageStatus.RUNNING, world_size=plan.world_size)
+                yield self.run_stage(plan)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """End the run's preloaded process, if one was started."""
+        zygote, self._zygote = self._zygote, None
+        if zygote is not None:
+            zygote.close()
 
     def describe(self, plan: StagePlan) -> list[str]:
         return self.agent_argv(plan, self.cfg.master_port or 0)
@@ -61,15 +77,39 @@ class LocalExecutor:
             env["CUDA_VISIBLE_DEVICES"] = ""
         return env
 
+    def _may_fork_agents(self, plan: StagePlan) -> bool:
+        """Whether a preloaded process could fork this run's agents (it decides with torch in hand)."""
+        if str(getattr(self.cfg, "rank_start", None) or RankStart.auto) != RankStart.auto:
+            return False
+        if getattr(self.cfg, "device", None) == Device.cuda:
+            return False
+        return rank_start.forkable(plan.argv) is not None
+
+    def start_agent(self, plan: StagePlan, port: int, log):
+        """The stage's agent: forked from the run's preloaded process where it can be, else spawned."""
+        env, argv = self.environment(plan), self.agent_argv(plan, port)
+        if not self._zygote_tried and self._may_fork_agents(plan):
+            self._zygote_tried = True
+            log.flush()
+            self._zygote, why = Zygote.start(plan.argv, env, log.fileno())
+            if self._zygote is None:
+                log.write(f"# agents spawned: {why}\n")
+        if self._zygote is not None and env == self._zygote.env:
+            try:
+                return self._zygote.fork_agent(argv[3:], env, os.getcwd())
+            except ZygoteGone as e:
+                log.write(f"# {e}: agents spawned from now on\n")
+                self.close()
+        return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                bufsize=1, start_new_session=True)
+
     def run_stage(self, plan: StagePlan) -> StageResult:
         port = self.cfg.master_port or free_port()
         os.makedirs(os.path.dirname(plan.log_path), exist_ok=True)
         start = time.time()
         with open(plan.log_path, "a", buffering=1) as log:
             log.write(f"# {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(self.agent_argv(plan, port))}\n")
-            self._proc = subprocess.Popen(
-                self.agent_argv(plan, port), env=self.environment(plan), stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True)
+            self._proc = self.start_agent(plan, port, log)
             try:
                 assert self._proc.stdout is not None
                 for line in self._proc.stdout:
@@ -86,6 +126,8 @@ class LocalExecutor:
                 self.cancel()
                 raise
             finally:
+                if self._proc.stdout is not None:
+                    self._proc.stdout.close()
                 self._proc = None
         return StageResult(plan.name, COMPLETED if code == 0 else FAILED, code, time.time() - start)
 

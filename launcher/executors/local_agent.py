@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Optional
 
 USAGE = "usage: python -m launcher.executors.local_agent NPROC PORT [--start auto|spawn] -- CMD [ARGS...]"
 
@@ -35,7 +36,9 @@ def parse(argv: list[str]) -> tuple[int, int, str, list[str]]:
     return int(head[0]), int(head[1]), start, cmd
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], preload_s: Optional[float] = None) -> int:
+    """``preload_s``: this agent was forked from the run's preloaded process
+    (``launcher.executors.local_zygote``), whose import of the stack took that long."""
     try:
         nproc, port, start, cmd = parse(argv)
     except ValueError as e:
@@ -47,9 +50,10 @@ def main(argv: list[str]) -> int:
     method, why = rank_start.choose(start, cmd, os.environ, torch.version.cuda)
     entrypoint, args = cmd[0], cmd[1:]
     if method == rank_start.FORK:
-        took = rank_start.preload()
+        took = rank_start.preload()   # nothing left to import where the run's preloaded process forked this agent
+        when = f"{took:.1f}s" if preload_s is None else f"{preload_s:.1f}s, once for the run"
         print(f"[local-agent] {nproc} rank(s) forked after one import of {', '.join(rank_start.PRELOAD)} "
-              f"({took:.1f}s; {why})", flush=True)
+              f"({when}; {why})", flush=True)
         entrypoint, args = rank_start.run_forked_rank, rank_start.forkable(cmd)
         rank_start.quiet_failed_rank_tracebacks()
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError

@@ -26,6 +26,7 @@ import os
 import signal
 import sys
 import time
+import traceback
 from typing import Mapping, Optional, Sequence
 
 PRELOAD = ("torch", "megatron.core", "modelopt.torch.quantization", "transformers")
@@ -95,12 +96,19 @@ def name_process(name: str) -> None:
 
 def run_forked_rank(module: str, *args: str) -> None:
     """A forked rank's body: the agent's signal handlers undone, then ``module.main(args)``.
-    Success returns (the agent collects return values); a failure exits with main's code."""
+    Success returns (the agent collects return values); a failure exits with main's code, an
+    exception main lets out with its traceback printed and code 1."""
     assert module in FORKABLE, module
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     sys.argv = [module, *args]
-    code = importlib.import_module(module).main(list(args))
+    try:
+        code = importlib.import_module(module).main(list(args))
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:  # noqa: BLE001 - printed as a spawned rank's interpreter would print it
+        traceback.print_exc()
+        code = 1
     sys.stdout.flush()
     sys.stderr.flush()
     if code:
