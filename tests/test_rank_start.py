@@ -71,6 +71,32 @@ def test_the_executor_passes_rank_start_to_the_agent():
         assert argv == [PY, "-m", "launcher.executors.local_agent", "4", "29500", "--start", start, "--", *WORKER]
 
 
+def test_no_preloaded_process_is_started_where_the_ranks_may_see_a_gpu(tmp_path, monkeypatch):
+    from omegaconf import OmegaConf
+
+    from launcher.executors.base import StagePlan
+
+    control = tmp_path / "nvidiactl"
+    assert not rank_start.gpu_may_be_visible({}, str(control))
+    control.write_text("")
+    assert rank_start.gpu_may_be_visible({}, str(control))
+    assert rank_start.gpu_may_be_visible({"CUDA_VISIBLE_DEVICES": "0"}, str(control))
+    assert not rank_start.gpu_may_be_visible({"CUDA_VISIBLE_DEVICES": ""}, str(control))
+
+    monkeypatch.setattr(rank_start, "NVIDIA_CONTROL_DEVICE", str(control))
+    plan = StagePlan(name="quantize", world_size=4, argv=WORKER, env={}, log_path=str(tmp_path / "log.txt"))
+    cases = [({"master_port": None}, {}, False),                                 # a GPU host, CUDA visible
+             ({"master_port": None}, {"CUDA_VISIBLE_DEVICES": ""}, True),       # CUDA hidden (device=cpu)
+             ({"master_port": None, "device": "cuda"}, {"CUDA_VISIBLE_DEVICES": ""}, False),
+             ({"master_port": None, "rank_start": "spawn"}, {"CUDA_VISIBLE_DEVICES": ""}, False)]
+    for cfg, env, expected in cases:
+        ex = LocalExecutor(OmegaConf.create(cfg), str(tmp_path), echo=False)
+        assert ex.may_fork_agents(plan, env) is expected, (cfg, env)
+    other = StagePlan(name="x", world_size=1, argv=[PY, "-c", "pass"], env={}, log_path=str(tmp_path / "log.txt"))
+    assert not LocalExecutor(OmegaConf.create({}), str(tmp_path), echo=False).may_fork_agents(
+        other, {"CUDA_VISIBLE_DEVICES": ""})
+
+
 def test_a_bad_rank_start_is_refused_naming_the_key_and_the_values():
     proc = subprocess.run([PY, "-m", "launcher.cli", "validate", "examples/tiny/Qwen3-MoE-tiny/megatron_lm_ptq.yaml",
                            "executor.rank_start=fork"], cwd=ROOT, capture_output=True, text=True)

@@ -77,18 +77,19 @@ class LocalExecutor:
             env["CUDA_VISIBLE_DEVICES"] = ""
         return env
 
-    def _may_fork_agents(self, plan: StagePlan) -> bool:
-        """Whether a preloaded process could fork this run's agents (it decides with torch in hand)."""
+    def may_fork_agents(self, plan: StagePlan, env: dict) -> bool:
+        """Whether a preloaded process could fork this run's agents (it decides with torch in hand;
+        where the ranks may see a GPU it is not started at all)."""
         if str(getattr(self.cfg, "rank_start", None) or RankStart.auto) != RankStart.auto:
             return False
-        if getattr(self.cfg, "device", None) == Device.cuda:
+        if getattr(self.cfg, "device", None) == Device.cuda or rank_start.gpu_may_be_visible(env):
             return False
         return rank_start.forkable(plan.argv) is not None
 
     def start_agent(self, plan: StagePlan, port: int, log):
         """The stage's agent: forked from the run's preloaded process where it can be, else spawned."""
         env, argv = self.environment(plan), self.agent_argv(plan, port)
-        if not self._zygote_tried and self._may_fork_agents(plan):
+        if not self._zygote_tried and self.may_fork_agents(plan, env):
             self._zygote_tried = True
             log.flush()
             self._zygote, why = Zygote.start(plan.argv, env, log.fileno())

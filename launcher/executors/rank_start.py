@@ -61,6 +61,16 @@ def choose(requested: str, cmd: Sequence[str], environ: Mapping[str, str], cuda_
     return SPAWN, "the ranks may use a GPU (CUDA must not be initialised before a fork)"
 
 
+NVIDIA_CONTROL_DEVICE = "/dev/nvidiactl"
+
+
+def gpu_may_be_visible(environ: Mapping[str, str], control_device: Optional[str] = None) -> bool:
+    """Torch-free: this host has an NVIDIA driver (its control device) and CUDA is not hidden from the
+    ranks.  The local executor then spawns agents without first starting a preloaded process that
+    would import torch only to find the ranks must be spawned."""
+    return environ.get("CUDA_VISIBLE_DEVICES") != "" and os.path.exists(control_device or NVIDIA_CONTROL_DEVICE)
+
+
 def preload(modules: Sequence[str] = PRELOAD) -> float:
     """Import ``modules`` in this process (the agent, before it forks); returns the seconds taken."""
     t = time.perf_counter()
