@@ -32,7 +32,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks._common import REPO_ROOT, log, markdown_table, write_json  # noqa: E402
+from benchmarks._common import REPO_ROOT, log, markdown_table, read_stage_figures, write_json  # noqa: E402
 
 MODULES = "torch,megatron.core,modelopt.torch.quantization,transformers"
 
@@ -93,8 +93,7 @@ TINY_EXAMPLE = "examples/tiny/Qwen3-MoE-tiny/megatron_lm_ptq.yaml"
 def pipeline(rank_start: str, runs_root: str) -> dict:
     """One ``launch`` of the tiny example with ``executor.rank_start=rank_start``: wall, stage seconds,
     the export's file hashes."""
-    import hashlib
-    import json
+    from launcher.rundir import file_sha256
 
     t = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "launcher.cli", TINY_EXAMPLE, f"runs_root={runs_root}",
@@ -104,15 +103,11 @@ def pipeline(rank_start: str, runs_root: str) -> dict:
     if proc.returncode:
         raise RuntimeError(f"launch with rank_start={rank_start} exited {proc.returncode}:\n{proc.stdout[-3000:]}")
     run_dir = proc.stdout.split("[launch] run directory: ")[1].split("\n")[0].strip()
-    with open(os.path.join(run_dir, "metadata.json")) as f:
-        stages = json.load(f)["stages"]
     hf = os.path.join(run_dir, "export", "hf")
-    hashes = {}
-    for name in sorted(os.listdir(hf)):
-        with open(os.path.join(hf, name), "rb") as f:
-            hashes[name] = hashlib.sha256(f.read()).hexdigest()
-    return {"wall_s": wall, "run_dir": run_dir, "export_sha256": hashes,
-            "stage_s": {k: v.get("duration_s") for k, v in stages.items() if v.get("status") == "completed"}}
+    stages = read_stage_figures(run_dir)
+    return {"wall_s": wall, "run_dir": run_dir,
+            "export_sha256": {name: file_sha256(os.path.join(hf, name)) for name in sorted(os.listdir(hf))},
+            "stage_s": {k: v["wall_s"] for k, v in stages.items() if v["status"] == "completed"}}
 
 
 def compare_pipelines(repeats: int) -> dict:

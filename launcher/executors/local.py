@@ -63,10 +63,12 @@ class LocalExecutor:
     def describe(self, plan: StagePlan) -> list[str]:
         return self.agent_argv(plan, self.cfg.master_port or 0)
 
+    def rank_start(self) -> str:
+        return str(getattr(self.cfg, "rank_start", None) or RankStart.auto)
+
     def agent_argv(self, plan: StagePlan, port: int) -> list[str]:
-        start = str(getattr(self.cfg, "rank_start", None) or "auto")
         return [sys.executable, "-m", "launcher.executors.local_agent", str(plan.world_size), str(port),
-                "--start", start, "--", *plan.argv]
+                "--start", self.rank_start(), "--", *plan.argv]
 
     def environment(self, plan: StagePlan) -> dict[str, str]:
         env = dict(os.environ)
@@ -80,15 +82,16 @@ class LocalExecutor:
     def may_fork_agents(self, plan: StagePlan, env: dict) -> bool:
         """Whether a preloaded process could fork this run's agents (it decides with torch in hand;
         where the ranks may see a GPU it is not started at all)."""
-        if str(getattr(self.cfg, "rank_start", None) or RankStart.auto) != RankStart.auto:
+        if self.rank_start() != RankStart.auto:
             return False
         if getattr(self.cfg, "device", None) == Device.cuda or rank_start.gpu_may_be_visible(env):
             return False
         return rank_start.forkable(plan.argv) is not None
 
-    def start_agent(self, plan: StagePlan, port: int, log):
-        """The stage's agent: forked from the run's preloaded process where it can be, else spawned."""
-        env, argv = self.environment(plan), self.agent_argv(plan, port)
+    def start_agent(self, plan: StagePlan, argv: list[str], log):
+        """The stage's agent (``argv``: ``agent_argv``): forked from the run's preloaded process where it
+        can be, else spawned."""
+        env = self.environment(plan)
         if not self._zygote_tried and self.may_fork_agents(plan, env):
             self._zygote_tried = True
             log.flush()
@@ -109,8 +112,9 @@ class LocalExecutor:
         os.makedirs(os.path.dirname(plan.log_path), exist_ok=True)
         start = time.time()
         with open(plan.log_path, "a", buffering=1) as log:
-            log.write(f"# {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(self.agent_argv(plan, port))}\n")
-            self._proc = self.start_agent(plan, port, log)
+            argv = self.agent_argv(plan, port)
+            log.write(f"# {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(argv)}\n")
+            self._proc = self.start_agent(plan, argv, log)
             try:
                 assert self._proc.stdout is not None
                 for line in self._proc.stdout:

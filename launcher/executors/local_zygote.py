@@ -108,9 +108,6 @@ def main(argv: list[str]) -> int:
     return serve(sock, took)
 
 
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
-
 
 # ----------------------------------------------------------------------------- the executor's side
 
@@ -209,3 +206,7 @@ class Zygote:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
