@@ -70,7 +70,8 @@
 # Python packages the image lacks travel as wheels in .whl/ (benchmarks/README.md says which);
 # they are installed with --target into /tmp/site.  Reports land in REPORT_DIR.  ModelOpt's JIT
 # CUDA extensions (FP8 fake quant) build into /tmp/torch_ext; REPORT_DIR/torch_ext.tgz keeps the
-# build, and a .gpu-cache/torch_ext.tgz carried next time is unpacked first (no rebuild).
+# build, and a .gpu-cache/torch_ext.tgz carried next time is unpacked first (no rebuild).  Triton's
+# and inductor's kernels likewise: /tmp/kernels, REPORT_DIR/kernels.tgz, .gpu-cache/kernels.tgz.
 set -uo pipefail
 out=${1:?usage: gpu_checks.sh REPORT_DIR [all|all:1|all:2] [tests] [pipeline] [pipeline-fp8] [cpu-on-gpu] [gate] [bench-smoke] [bench] [bench-quick] [probe] [cost] [cost-large] [nano] [nano-vllm] [nemotron] [stash] [smollm2] [vllm-install] [vllm]}
 shift
@@ -104,6 +105,13 @@ mkdir -p "$TORCH_EXTENSIONS_DIR"
 # -m: the build's files get the current time, newer than the sources pip just installed, so
 # ninja finds them up to date (with their old times it rebuilt: 52 s on 2026-12-02)
 [ -f .gpu-cache/torch_ext.tgz ] && tar -C "$TORCH_EXTENSIONS_DIR" -xzmf .gpu-cache/torch_ext.tgz
+# one triton + inductor kernel cache for every part, the tests' processes too (a stage keeps a cache
+# the user set: launcher/worker.py share_kernel_caches), so the Mamba-2 scan and the fused SwiGLU are
+# compiled once per host; a .gpu-cache/kernels.tgz that an earlier call returned is unpacked first,
+# so a fresh host skips that JIT as well (both sm_90 on the H100 and the H200, one triton)
+export TRITON_CACHE_DIR=/tmp/kernels/triton TORCHINDUCTOR_CACHE_DIR=/tmp/kernels/inductor TRITON_CACHE_AUTOTUNING=1
+mkdir -p /tmp/kernels
+[ -f .gpu-cache/kernels.tgz ] && tar -C /tmp/kernels -xzf .gpu-cache/kernels.tgz
 for t in .bench/*.tgz; do [ -f "$t" ] && mkdir -p /tmp/bench && tar -C /tmp/bench -xzf "$t"; done   # scripts/prepare_gpu_payload.sh packs them
 [ -d /tmp/bench ] && mkdir -p .bench && cp -a /tmp/bench/. .bench/
 # parts of payloads larger than one call (scripts/prepare_gpu_payload.sh), gathered under /tmp call by call
@@ -292,8 +300,13 @@ python3 scripts/gpu_report.py "$out" pipeline=/tmp/gpu-runs pipeline-fp8=/tmp/gp
 if [ -n "$(ls -A "$TORCH_EXTENSIONS_DIR" 2>/dev/null)" ]; then
   tar -C "$TORCH_EXTENSIONS_DIR" -czf "$out/torch_ext.tgz" . && ls -la "$out/torch_ext.tgz"
 fi
+# the kernel cache comes back for .gpu-cache/ when it fits what a call returns (16 MiB a file)
+if [ -n "$(ls -A /tmp/kernels 2>/dev/null)" ]; then
+  tar -C /tmp/kernels -czf "$out/kernels.tgz" . && ls -la "$out/kernels.tgz"
+  [ "$(stat -c %s "$out/kernels.tgz")" -lt $((15 * 1048576)) ] || { echo "[kernels] kernels.tgz over 15 MiB: not returned"; rm -f "$out/kernels.tgz"; }
+fi
 # at most 8 files come back from a device call: the report, parts.txt and the extension build
 # stay; every log, run archive and part JSON goes into one logs.tgz
 ( cd "$out" && find . -maxdepth 2 -type f ! -name report.json ! -name parts.txt ! -name torch_ext.tgz \
-    ! -name logs.tgz -print0 | tar --null -czf logs.tgz --remove-files -T - ) && ls -la "$out"
+    ! -name kernels.tgz ! -name logs.tgz -print0 | tar --null -czf logs.tgz --remove-files -T - ) && ls -la "$out"
 exit $status

