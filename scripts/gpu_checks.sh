@@ -70,8 +70,9 @@
 # Python packages the image lacks travel as wheels in .whl/ (benchmarks/README.md says which);
 # they are installed with --target into /tmp/site.  Reports land in REPORT_DIR.  ModelOpt's JIT
 # CUDA extensions (FP8 fake quant) build into /tmp/torch_ext; REPORT_DIR/torch_ext.tgz keeps the
-# build, and a .gpu-cache/torch_ext.tgz carried next time is unpacked first (no rebuild).  Triton's
-# and inductor's kernels likewise: /tmp/kernels, REPORT_DIR/kernels.tgz, .gpu-cache/kernels.tgz.
+# build, and a .gpu-cache/torch_ext.tgz carried next time is unpacked first (no rebuild:
+# scripts/torch_ext_cache.sh).  Triton's and inductor's kernels likewise: /tmp/kernels,
+# REPORT_DIR/kernels.tgz, .gpu-cache/kernels.tgz.
 set -uo pipefail
 out=${1:?usage: gpu_checks.sh REPORT_DIR [all|all:1|all:2] [tests] [pipeline] [pipeline-fp8] [cpu-on-gpu] [gate] [bench-smoke] [bench] [bench-quick] [probe] [cost] [cost-large] [nano] [nano-vllm] [nemotron] [stash] [smollm2] [vllm-install] [vllm]}
 shift
@@ -102,21 +103,8 @@ if [ -d .cache/tiny ]; then mkdir -p /tmp/ptq-cache && cp -a .cache/tiny /tmp/pt
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export TORCH_EXTENSIONS_DIR=/tmp/torch_ext
 mkdir -p "$TORCH_EXTENSIONS_DIR"
-# ModelOpt's version and where its kernel sources are (no import: find_spec only)
-modelopt_version=$(python3 -c "import importlib.metadata as m; print(m.version('nvidia-modelopt'))" 2>/dev/null)
-modelopt_kernels=$(python3 -c "import importlib.util as u, os; print(os.path.join(u.find_spec('modelopt').submodule_search_locations[0], 'torch', 'kernels'))" 2>/dev/null)
-if [ -f .gpu-cache/torch_ext.tgz ]; then
-  tar -C "$TORCH_EXTENSIONS_DIR" -xzmf .gpu-cache/torch_ext.tgz   # -m alone did not help: see below
-  # ninja rebuilds an output whose source is newer than the output's entry in .ninja_log, and pip has
-  # just written ModelOpt's kernel sources with the current time (a fresh host rebuilt the FP8
-  # extension in 49 s on 2026-12-07 although the build was carried); where the build was made with
-  # this very ModelOpt version (its stamp), its sources are dated back so the carried build is used
-  if [ -n "$modelopt_version" ] && [ -d "$modelopt_kernels" ] &&
-     [ "$(cat "$TORCH_EXTENSIONS_DIR/modelopt.version" 2>/dev/null)" = "$modelopt_version" ]; then
-    find "$modelopt_kernels" -type f \( -name "*.cu" -o -name "*.cuh" -o -name "*.cpp" -o -name "*.h" \) -exec touch -d @946684800 {} +
-    echo "[torch_ext] carried build of ModelOpt $modelopt_version reused (its kernel sources dated back)"
-  fi
-fi
+# a carried build is reused, not rebuilt, where it was made with the installed ModelOpt
+[ -f .gpu-cache/torch_ext.tgz ] && bash scripts/torch_ext_cache.sh unpack .gpu-cache/torch_ext.tgz "$TORCH_EXTENSIONS_DIR"
 # one triton + inductor kernel cache for every part, the tests' processes too (a stage keeps a cache
 # the user set: launcher/worker.py share_kernel_caches), so the Mamba-2 scan and the fused SwiGLU are
 # compiled once per host; a .gpu-cache/kernels.tgz that an earlier call returned is unpacked first,
@@ -310,8 +298,7 @@ done
 python3 scripts/gpu_report.py "$out" pipeline=/tmp/gpu-runs pipeline-fp8=/tmp/gpu-runs-fp8 \
   nemotron=/tmp/gpu-runs-nh cpu-on-gpu=/tmp/gpu-runs-cpu gate=/tmp/gpu-runs || status=1
 if [ -n "$(ls -A "$TORCH_EXTENSIONS_DIR" 2>/dev/null)" ]; then
-  [ -n "$modelopt_version" ] && echo "$modelopt_version" > "$TORCH_EXTENSIONS_DIR/modelopt.version"   # the build's stamp
-  tar -C "$TORCH_EXTENSIONS_DIR" -czf "$out/torch_ext.tgz" . && ls -la "$out/torch_ext.tgz"
+  bash scripts/torch_ext_cache.sh pack "$TORCH_EXTENSIONS_DIR" "$out/torch_ext.tgz" && ls -la "$out/torch_ext.tgz"
 fi
 # the kernel cache comes back for .gpu-cache/ when it fits what a call returns (16 MiB a file)
 if [ -n "$(ls -A /tmp/kernels 2>/dev/null)" ]; then
