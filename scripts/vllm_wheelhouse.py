@@ -248,9 +248,10 @@ def install(args) -> None:
     parts_dir = Path(args.parts)
     manifest = json.loads((parts_dir / "manifest.json").read_text())
     target = Path(args.target)
+    what = manifest.get("label") or f"vLLM {manifest['vllm']}"   # scripts/te_wheelhouse.py sets a label
     stamp = target / ".wheelhouse-installed"
     if stamp.is_file() and stamp.read_text().strip() == manifest["archive_sha256"]:
-        print(f"[wheelhouse] {target} already holds vLLM {manifest['vllm']}")
+        print(f"[wheelhouse] {target} already holds {what}")
         return
     problems = []
     for p in manifest["parts"]:
@@ -263,7 +264,7 @@ def install(args) -> None:
         raise SystemExit("[wheelhouse] cannot install: " + "; ".join(problems))
     whole = hashlib.sha256()
     with tempfile.TemporaryDirectory() as tmp:
-        archive = Path(tmp) / f"site.tar.{manifest['compression']}"
+        archive = Path(tmp) / "site.tar"
         with open(archive, "wb") as out:
             for p in manifest["parts"]:
                 block = (parts_dir / p["name"]).read_bytes()
@@ -277,7 +278,7 @@ def install(args) -> None:
         with tarfile.open(archive, f"r:{manifest['compression']}") as tar:
             tar.extractall(target, filter="data")
     stamp.write_text(manifest["archive_sha256"] + "\n")
-    print(f"[wheelhouse] installed vLLM {manifest['vllm']} into {target}")
+    print(f"[wheelhouse] installed {what} into {target}")
 
 
 def main(argv=None) -> None:
