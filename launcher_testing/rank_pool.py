@@ -117,11 +117,13 @@ class RankPool:
 
     def kill(self) -> None:
         for p in self.procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)   # the worker's own session: it and its children
-                except ProcessLookupError:
-                    pass
+            # the worker's own session: it and its children, also where the worker has already ended
+            # (a failed job's os._exit) and left children behind, e.g. dist_checkpointing's writer
+            # processes: unreaped, the group outlived its leader and they ran on as orphans
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
             p.wait()
             if p.stdin:
                 try:

@@ -52,6 +52,27 @@ def hang_worker() -> None:
     time.sleep(600)
 
 
+def child_then_fail_worker(pid_dir: str) -> None:
+    """Leave a multiprocessing child running (as dist_checkpointing's writers do), then fail."""
+    import multiprocessing
+    import time
+
+    child = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(600,))
+    child.start()
+    with open(os.path.join(pid_dir, f"{os.environ['RANK']}.pid"), "w") as f:
+        f.write(str(child.pid))
+    sys.exit(3)
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's reaper may be slow)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def one_rank_fails_worker() -> None:
     import torch
     import torch.distributed as dist
@@ -102,6 +123,22 @@ def test_a_failed_job_reports_exit_codes_and_replaces_the_pool(pool):
     assert pool.procs == []                                                  # killed, not reused
     after = pool.run("test_rank_pool:state_worker", 2, {"tag": "y"}, timeout_s=120)
     assert pool.starts == 2 and [s["initialized_before"] for s in after] == [False, False]
+
+
+def test_a_failed_jobs_children_end_with_its_workers(pool, tmp_path):
+    """A worker that failed has already exited when the pool is killed; what it started must not run on."""
+    import time
+
+    from launcher_testing.rank_pool import JobFailure
+
+    with pytest.raises(JobFailure) as e:
+        pool.run("test_rank_pool:child_then_fail_worker", 2, {"pid_dir": str(tmp_path)}, timeout_s=120)
+    assert e.value.returncodes == [3, 3]
+    pids = [int((tmp_path / f"{rank}.pid").read_text()) for rank in range(2)]
+    deadline = time.monotonic() + 10
+    while any(_running(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert [_running(pid) for pid in pids] == [False, False], pids
 
 
 def test_one_rank_failing_stops_the_ranks_waiting_for_it(pool, monkeypatch):
