@@ -2,7 +2,11 @@
 
 ``tiny_single_node_run``: one `launch` of the tiny example on the single-node cluster, run once per
 session whichever module asks first (test_slurm_pipeline.py checks it; test_slurm_multinode.py
-compares the two-node run's outputs with it).  ``Launch``: `launch` as a subprocess whose console
+compares the two-node run's outputs with it).  ``tiny_single_node_started`` starts that `launch`
+in the background without waiting for it: test_slurm_executor.py asks for it, so the run's minute of
+work overlaps that module's idle minute (its TIMEOUT job waits for Slurm's time limit) instead of
+adding to the two-node test; it is started only when a selected test will wait for it, and a run
+nobody waited for is stopped at the session's end.  ``Launch``: `launch` as a subprocess whose console
 is read line by line with timestamps, so a test can wait for a line, inject a fault and measure
 how long the failure takes to be reported.  ``compare_outputs``: what must be equal between two
 runs of the same config - predictions, the gate's numbers, the quantize summary, export tensors.
@@ -17,6 +21,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 import pytest
@@ -38,6 +43,7 @@ class Launch:
                                      env={**env, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True)
         self.lines: list[tuple[float, str]] = []
+        self.t_eof: Optional[float] = None     # when the console closed (the process is ending)
         self._cond = threading.Condition()
         self._echo = echo
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -51,6 +57,7 @@ class Launch:
             if self._echo and line.startswith("[launch]"):
                 print(f"    {time.monotonic() - self.t0:7.1f}s {line.rstrip()}", flush=True)
         with self._cond:
+            self.t_eof = time.monotonic()
             self._cond.notify_all()
 
     @property
@@ -102,18 +109,54 @@ class TinyRun:
 
 
 _RUNS: dict[str, TinyRun] = {}
+_STARTED: dict[str, tuple[Launch, Path]] = {}   # the started `launch` and its runs_root
+# set by a test module that asks for tiny_single_node_run with request.getfixturevalue (not by name)
+USES_SINGLE_NODE_RUN = "USES_TINY_SINGLE_NODE_RUN"
+
+
+def _start_single_node_run(cluster, tmp_path_factory) -> tuple[Launch, Path]:
+    if "single" not in _STARTED:
+        runs = tmp_path_factory.mktemp("tiny-slurm-1node")
+        launch = Launch([*cluster.launch_overrides(), f"runs_root={runs}"], cluster.env, echo=False)
+        _STARTED["single"] = (launch, runs)
+    return _STARTED["single"]
+
+
+def session_waits_for_single_node_run(items) -> bool:
+    """Whether a selected test will wait for the single-node run (by name, or as a module that sets
+    ``USES_TINY_SINGLE_NODE_RUN`` asks for it)."""
+    return any("tiny_single_node_run" in getattr(item, "fixturenames", ())
+               or getattr(getattr(item, "module", None), USES_SINGLE_NODE_RUN, False) for item in items)
+
+
+@pytest.fixture(scope="session")
+def tiny_single_node_started(request, slurm_cluster, tiny_dir, tmp_path_factory):  # noqa: F811
+    """Starts the single-node run in the background (when a selected test will wait for it); at the
+    session's end a run that nobody waited for is stopped (the cluster then cancels its jobs)."""
+    if session_waits_for_single_node_run(request.session.items):
+        _start_single_node_run(slurm_cluster, tmp_path_factory)
+    yield
+    launch = _STARTED.get("single", (None, None))[0]
+    if launch is not None and "single" not in _RUNS and launch.proc.poll() is None:
+        launch.proc.terminate()
+        try:
+            launch.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            launch.proc.kill()
+            launch.proc.wait(timeout=30)
 
 
 @pytest.fixture(scope="session")
 def tiny_single_node_run(slurm_cluster, tiny_dir, tmp_path_factory) -> TinyRun:  # noqa: F811
-    """The tiny example through the single-node cluster (4 tasks on one node), once per session."""
+    """The tiny example through the single-node cluster (4 tasks on one node), once per session;
+    started here unless ``tiny_single_node_started`` started it earlier."""
     if "single" not in _RUNS:
-        runs = tmp_path_factory.mktemp("tiny-slurm-1node")
-        launch = Launch([*slurm_cluster.launch_overrides(), f"runs_root={runs}"], slurm_cluster.env, echo=False)
+        launch, runs = _start_single_node_run(slurm_cluster, tmp_path_factory)
         rc, t_end = launch.finish()
         job_dir = runs / "tiny-qwen3-moe-nvfp4"
         dirs = sorted(job_dir.iterdir()) if job_dir.is_dir() else []
-        _RUNS["single"] = TinyRun(rc, launch.output, str(dirs[0]) if len(dirs) == 1 else "", t_end - launch.t0)
+        wall = min(t_end, launch.t_eof or t_end) - launch.t0
+        _RUNS["single"] = TinyRun(rc, launch.output, str(dirs[0]) if len(dirs) == 1 else "", wall)
         print(f"\n[tiny single-node Slurm run] {_RUNS['single'].wall_s:.0f} s, exit {rc}", flush=True)
     return _RUNS["single"]
 

@@ -1,15 +1,15 @@
 """GPU checks (run on the lent H200; skipped without CUDA): real ModelOpt kernels.
 
-1. The CPU NVFP4 path (launcher.megatron.cpu_compat.nvfp4_fake_quant_cpu, built on ModelOpt's
-   NVFP4QTensor) against ModelOpt's GPU dynamic-block-quant kernel (triton) on the same weights:
-   the tiny checkpoint's 2-D weights plus random bf16/fp32 tensors.  Reports, per tensor, the
-   fraction of bit-identical elements, of elements equal up to arithmetic order (within 4 ulps of
-   the dtype: the kernel multiplies q * fp8_scale * global_scale in another order) and of
-   "flips" (an element rounded to another E2M1 value: a rounding tie broken differently), printed
-   and written to $GPU_REPORT_DIR/nvfp4_cpu_vs_gpu.json when set.  Asserts flips are at most
-   0.1% of each tensor and each within one E2M1 step.  Measured on the H200 (2026-12-02): fp32
-   tensors 0 flips but only 7-50% bit-identical (1-2 ulp differences); random bf16 12 flips in
-   131,072 elements.
+1. The CPU NVFP4 path (launcher.megatron.cpu_compat.nvfp4_fake_quant_cpu, ModelOpt's NVFP4QTensor
+   arithmetic bit for bit: tests/test_nvfp4_cpu.py) against ModelOpt's GPU dynamic-block-quant
+   kernel (triton) on the same weights: the tiny checkpoint's 2-D weights plus random bf16/fp32
+   tensors. Reports, per tensor, the fraction of bit-identical elements, of elements equal up to
+   arithmetic order (within 4 ulps of the dtype: the kernel multiplies q * fp8_scale * global_scale
+   in another order) and of "flips" (an element rounded to another E2M1 value: a rounding tie broken
+   differently), printed and written to $GPU_REPORT_DIR/nvfp4_cpu_vs_gpu.json when set. Asserts
+   flips are at most 0.1% of each tensor and each within one E2M1 step. Measured on the H200
+   (2026-12-02): fp32 tensors 0 flips but only 7-50% bit-identical (1-2 ulp differences); random
+   bf16 12 flips in 131,072 elements.
 2. The tiny Qwen3-MoE model quantized with NVFP4_DEFAULT_CFG and FP8_DEFAULT_CFG on one GPU
    (bf16, Float16Module) through the product code; every expert quantized, logits finite and
    close to the unquantized ones.

@@ -2,7 +2,8 @@
 
 Stand-in stages are tiny ``python -c`` commands; the tiny pipeline end to end goes through
 ``slurm_cluster.run_plans`` with the pipeline's own plans.  The TIMEOUT job (1-minute limit) is
-submitted when the module starts and checked by the last test, so its minute overlaps the others.
+submitted when the module starts and checked by the last test, so its minute overlaps the others
+and the session's single-node tiny run (slurm_runs.tiny_single_node_started), started with it.
 """
 from __future__ import annotations
 
@@ -17,8 +18,10 @@ from omegaconf import OmegaConf
 
 try:  # tests/ on sys.path (pytest's default rootdir-relative import) or tests as a package
     from slurm_cluster import slurm_cluster  # noqa: F401
+    from slurm_runs import tiny_single_node_started  # noqa: F401
 except ImportError:  # pragma: no cover
     from tests.slurm_cluster import slurm_cluster  # noqa: F401
+    from tests.slurm_runs import tiny_single_node_started  # noqa: F401
 
 from launcher.schema import SlurmExecutorConfig
 from launcher.executors.base import StagePlan
@@ -58,8 +61,10 @@ def last_info(events, stage):
 
 
 @pytest.fixture(scope="module")
-def timeout_job(slurm_cluster, tmp_path_factory):
-    """A stage with a 1-minute limit that sleeps for 5: submitted first, checked last."""
+def timeout_job(slurm_cluster, tiny_single_node_started, tmp_path_factory):
+    """A stage with a 1-minute limit that sleeps for 5: submitted first, checked last.  While Slurm's
+    limit runs out, the session's single-node tiny run works in the background
+    (``tiny_single_node_started``: test_slurm_pipeline.py and test_slurm_multinode.py read it)."""
     run_dir = str(tmp_path_factory.mktemp("timeout") / "job" / "run")
     ex = SlurmExecutor(slurm_cluster.executor_config(time="1"), run_dir, echo=lambda line: None)
     ids = ex.submit([plan(run_dir, "quantize", "import time; print('sleeping', flush=True); time.sleep(300)")])

@@ -35,6 +35,8 @@ from launcher.executors.slurm import SlurmExecutor
 from launcher.slurm_env import derived_port
 
 pytestmark = [pytest.mark.slurm]
+# the two-node pipeline test asks for tiny_single_node_run by getfixturevalue (slurm_runs starts it early)
+USES_TINY_SINGLE_NODE_RUN = True
 
 RANK_SCRIPT = r"""
 import datetime, json, os, socket

@@ -28,9 +28,14 @@ CPU probes; each shim's test in tests/ shows the failure):
 ``nvfp4_dynamic_block_quant``
     ModelOpt's NVFP4 fake quantization (dynamic block quant, E2M1 values with E4M3 block scales)
     only has CUDA implementations (triton kernel / cuda_ext_mx; "amax must be a CUDA tensor for
-    dynamic block quantization").  CPU tensors are routed through ModelOpt's own
-    ``NVFP4QTensor.quantize`` / ``dequantize`` (the code its export uses to pack the weights),
-    so the arithmetic is ModelOpt's; tests/test_gpu_quantize.py compares it with the GPU kernel.
+    dynamic block quantization").  CPU tensors get ModelOpt's own arithmetic: the reference is
+    ``NVFP4QTensor.quantize`` / ``dequantize`` (the code its export uses to pack the weights,
+    ``nvfp4_fake_quant_reference``); ``nvfp4_fake_quant_cpu`` computes the same values without
+    the E2M1 codes and their nibble packing (the rounding done as ``round(t / step) * step``,
+    ties to even, with the E2M1 spacing of ``t``'s binade), equal to the reference bit for bit
+    (tests/test_nvfp4_cpu.py; ``benchmarks/nvfp4_fake_quant.py`` times both).  Inputs the fast
+    path does not cover (a NaN or zero scale, a last dim that is not whole blocks) go to the
+    reference.  tests/test_gpu_quantize.py compares the CPU path with the GPU kernel.
 ``tied_embeddings_pp``
     ``LanguageModule.setup_embeddings_and_output_layer`` copies the tied word embeddings from
     the first to the last pipeline stage with ``weight.data = weight.data.cuda()`` then an
@@ -160,7 +165,12 @@ def patch_nvfp4_dynamic_block_quant(rec) -> None:
     rec.set(tensor_quant, "dynamic_block_quantize_op", dynamic_block_quantize)
 
 
-def nvfp4_fake_quant_cpu(inputs, block_size: int, amax=None):
+E2M1_MAX, E4M3_MAX = 6.0, 448.0
+_E4M3_MIN_SCALE = 2.0 ** -9      # ModelOpt clamps block scales to [2**-9, 448] before the FP8 cast
+_FLOAT32_EXPONENT_BITS = 0x7F800000
+
+
+def nvfp4_fake_quant_reference(inputs, block_size: int, amax=None):
     """NVFP4 quantize-dequantize of ``inputs`` along its last dim with ModelOpt's NVFP4QTensor.
 
     ``amax`` is the per-tensor amax (the second-level scale is amax / (6 * 448)); None means the
@@ -171,10 +181,45 @@ def nvfp4_fake_quant_cpu(inputs, block_size: int, amax=None):
 
     x = inputs.float()
     global_amax = x.abs().amax() if amax is None else amax.float().amax()
-    scale_2 = global_amax / (6.0 * 448.0)
+    scale_2 = global_amax / (E2M1_MAX * E4M3_MAX)
     packed, scale, scale_2 = NVFP4QTensor.quantize(x, block_size, weights_scaling_factor_2=scale_2)
     out = packed.dequantize(dtype=torch.float32, scale=scale, double_scale=scale_2,
                             block_sizes={-1: block_size})
+    return out.reshape(inputs.shape).to(inputs.dtype)
+
+
+def nvfp4_fake_quant_cpu(inputs, block_size: int, amax=None):
+    """``nvfp4_fake_quant_reference``'s values, bit for bit, without E2M1 codes.
+
+    The same block scales (``max(|max|, |min|)`` per block over ``6 * scale_2``, zero made 1,
+    clamped to [2**-9, 448] and cast to E4M3) and the same division ``t = x / s``; then, instead of
+    E2M1 codes packed into nibbles and looked up again, ``round(t / step) * step`` clamped to +-6,
+    where ``step`` is E2M1's spacing in ``t``'s binade (0.5 below 2, 1 below 4, 2 above: the
+    exponent bits of ``t`` halved, clamped to [0.5, 2]).  Every step is a power of two, so dividing
+    and multiplying by it are exact, and ``round`` breaks ties to the even value, as ModelOpt's
+    ``searchsorted`` + odd-bound test does.  The product with ``s`` is taken as ``0 + q * s``,
+    which turns a rounded -0 into the +0 of ModelOpt's code table.
+    """
+    import torch
+
+    x = inputs.float()
+    global_amax = x.abs().amax() if amax is None else amax.float().amax()
+    scale_2 = global_amax / (E2M1_MAX * E4M3_MAX)
+    if x.shape[-1] % block_size or not bool(torch.isfinite(scale_2) & (scale_2 > 0)):
+        return nvfp4_fake_quant_reference(inputs, block_size, amax)
+    blocks = x.reshape(*x.shape[:-1], x.shape[-1] // block_size, block_size)
+    block_amax = torch.maximum(blocks.amax(dim=-1).abs(), blocks.amin(dim=-1).abs())
+    block_scale = block_amax / (E2M1_MAX * scale_2)
+    block_scale[block_scale == 0] = 1.0
+    block_scale = block_scale.clamp(min=_E4M3_MIN_SCALE, max=E4M3_MAX).to(torch.float8_e4m3fn).float()
+    if bool(block_scale.isnan().any()):     # a NaN in the input: the reference's NaNs, sign bits included
+        return nvfp4_fake_quant_reference(inputs, block_size, amax)
+    s = (block_scale * scale_2).unsqueeze(-1)
+    t = blocks / s
+    step = (t.view(torch.int32) & _FLOAT32_EXPONENT_BITS).view(torch.float32)
+    step.mul_(0.5).clamp_(0.5, 2.0)
+    q = t.div_(step).round_().mul_(step).clamp_(-E2M1_MAX, E2M1_MAX)
+    out = torch.addcmul(torch.zeros((), dtype=torch.float32), q, s)
     return out.reshape(inputs.shape).to(inputs.dtype)
 
 
