@@ -264,8 +264,9 @@ def _run_job(job: dict, base_env: dict, threads: int, handlers: dict, rng_state,
             json.dump(result, f)
         os.replace(tmp, tmp[:-4])
     except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        code = code or 1          # a job that exits 0 without returning is a failure here
+        from launcher.executors.rank_start import exit_status
+
+        code = exit_status(e) or 1          # a job that exits 0 without returning is a failure here
     except BaseException:         # noqa: BLE001 - reported as a fresh process would, then the worker ends
         traceback.print_exc()
         code = 1

@@ -13,9 +13,10 @@ same way where asked (ModelOpt's NVFP4 or FP8 default config, calibrated on the 
 ``--calib-prompts`` of the gate's prompts, one at a time), and evaluated with the gate's batches through plain
 Megatron forwards (no folding, no grouped experts, no eval kernels: the same path for both specs).
 
-The JSON holds, per recipe: each spec's accuracy and seconds, the predictions that differ
-(``changed``), those whose both margins exceed ``--tie-eps`` (``changed_beyond_tie``), and the
-largest and median absolute difference of the four choice logits, and the share of each spec's
+The JSON holds, per recipe: each spec's accuracy and seconds, the two specs compared as
+``benchmarks/mmlu_gpu.py`` compares its runs (``benchmarks._mmlu_bench_model.compare``: the
+predictions that differ, those whose both margins exceed ``--tie-eps``, the largest and the median
+per-question choice-logit difference, each changed question's margins), and the share of each spec's
 predictions that the gate run recorded (``mmlu/results.json``; the gate folds quantizers and groups
 experts, so a quantized recipe need not agree exactly). An exception in one spec or recipe is
 recorded with its message and the trial goes on.
@@ -25,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -33,22 +33,9 @@ import traceback
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-RECIPES = {"none": None, "nvfp4": "NVFP4_DEFAULT_CFG", "fp8": "FP8_DEFAULT_CFG"}
+from benchmarks._mmlu_bench_model import QUANT_RECIPES, compare  # noqa: E402
 
-
-def compare(a: dict, b: dict, tie_eps: float) -> dict:
-    """Predictions and choice logits of two evaluations (prompt index -> Prediction)."""
-    def margin(logits):
-        top = sorted(logits, reverse=True)
-        return top[0] - top[1]
-
-    keys = sorted(a)
-    diffs = [abs(x - y) for k in keys for x, y in zip(a[k].logits, b[k].logits)]
-    changed = [k for k in keys if a[k].choice != b[k].choice]
-    beyond = [k for k in changed if margin(a[k].logits) > tie_eps and margin(b[k].logits) > tie_eps]
-    return {"n": len(keys), "same": len(keys) - len(changed), "changed": len(changed),
-            "changed_beyond_tie": len(beyond), "changed_prompts": changed[:20],
-            "max_abs_logit_diff": max(diffs), "median_abs_logit_diff": statistics.median(diffs)}
+RECIPES = {"none": None, **QUANT_RECIPES}
 
 
 def main(argv=None) -> int:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import subprocess
 import sys
 import tarfile
@@ -88,14 +87,8 @@ def pack(paths: list[Path], out: Path, part_mib: int, label: str) -> dict:
         with tarfile.open(archive, "w") as tar:
             for p in paths:
                 tar.add(p, arcname=p.name)
-        for old in out.glob("part-*"):
-            old.unlink()
-        parts = wheelhouse.split(archive, out, part_mib)
-        manifest = {"label": label, "compression": "", "archive_sha256": wheelhouse.sha256(archive),
-                    "archive_bytes": archive.stat().st_size, "parts": parts,
-                    "files": [p.name for p in paths]}
-    (out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
-    return manifest
+        return wheelhouse.write_parts(archive, out, part_mib, label=label, compression="",
+                                      files=[p.name for p in paths])
 
 
 def build(args) -> None:

@@ -210,6 +210,19 @@ def split(archive: Path, out: Path, part_mib: int) -> list[dict]:
     return parts
 
 
+def write_parts(archive: Path, out: Path, part_mib: int, **fields) -> dict:
+    """``archive`` split into ``out/part-NN`` (earlier parts removed) and ``out/manifest.json``:
+    ``fields``, then the archive's and each part's sha256 and size (what ``install`` checks).
+    Returns the manifest."""
+    for old in out.glob("part-*"):
+        old.unlink()
+    parts = split(archive, out, part_mib)
+    manifest = {**fields, "archive_sha256": sha256(archive), "archive_bytes": archive.stat().st_size,
+                "parts": parts}
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    return manifest
+
+
 def build(args) -> None:
     t0 = time.time()
     out = Path(args.out)
@@ -232,15 +245,10 @@ def build(args) -> None:
         level = {"gz": {"compresslevel": 6}, "xz": {"preset": 6}}[args.compression]
         with tarfile.open(archive, f"w:{args.compression}", **level) as tar:
             tar.add(staging, arcname=".")
-        for old in out.glob("part-*"):
-            old.unlink()
-        parts = split(archive, out, args.part_mib)
-        manifest = {"vllm": args.vllm, "python": args.python, "compression": args.compression,
-                    "archive_sha256": sha256(archive),
-                    "archive_bytes": archive.stat().st_size, "parts": parts, "dropped": dropped,
-                    "wheels": lock, "excluded": EXCLUDED, "overrides": OVERRIDES}
-    (out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
-    print(f"[wheelhouse] {len(parts)} parts of <= {args.part_mib} MiB, archive "
+        manifest = write_parts(archive, out, args.part_mib, vllm=args.vllm, python=args.python,
+                               compression=args.compression, dropped=dropped, wheels=lock,
+                               excluded=EXCLUDED, overrides=OVERRIDES)
+    print(f"[wheelhouse] {len(manifest['parts'])} parts of <= {args.part_mib} MiB, archive "
           f"{manifest['archive_bytes'] / 1e6:.0f} MB, in {time.time() - t0:.0f} s -> {out}")
 
 

@@ -56,20 +56,17 @@ def _fresh_host(kernels, tmp_path) -> str:
     return str(tmp_path / "fresh-ext")
 
 
-def test_a_carried_build_of_the_same_modelopt_is_not_rebuilt(built, tmp_path):
+@pytest.mark.parametrize("installed, said, ninja_says", [
+    ("0.47.0", "the carried build of ModelOpt 0.47.0 is reused", "no work to do"),              # the same ModelOpt
+    ("0.48.0", "the carried build is of ModelOpt '0.47.0', this is '0.48.0'", "cp "),          # another: rebuilt
+])
+def test_a_carried_build_is_reused_only_for_the_modelopt_it_was_built_with(built, tmp_path, installed, said,
+                                                                            ninja_says):
     kernels, tgz = built
     ext = _fresh_host(kernels, tmp_path)
-    out = _cache("unpack", tgz, ext, "0.47.0", str(kernels))
-    assert "the carried build of ModelOpt 0.47.0 is reused" in out
-    assert "no work to do" in _ninja(ext)
-
-
-def test_a_carried_build_of_another_modelopt_is_rebuilt(built, tmp_path):
-    kernels, tgz = built
-    ext = _fresh_host(kernels, tmp_path)
-    out = _cache("unpack", tgz, ext, "0.48.0", str(kernels))
-    assert "the carried build is of ModelOpt '0.47.0', this is '0.48.0'" in out
-    assert "cp " in _ninja(ext)
+    out = _cache("unpack", tgz, ext, installed, str(kernels))
+    assert said in out
+    assert ninja_says in _ninja(ext)
 
 
 def test_without_the_date_back_ninja_rebuilds_the_carried_build(built, tmp_path):

@@ -108,7 +108,6 @@ def main(argv: list[str]) -> int:
     return serve(sock, took)
 
 
-
 # ----------------------------------------------------------------------------- the executor's side
 
 class ZygoteGone(RuntimeError):

@@ -104,6 +104,11 @@ def name_process(name: str) -> None:
         pass
 
 
+def exit_status(e: SystemExit) -> int:
+    """The status an interpreter ends with for an uncaught ``e``: its int code, 0 for None, else 1."""
+    return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+
+
 def run_forked_rank(module: str, *args: str) -> None:
     """A forked rank's body: the agent's signal handlers undone, then ``module.main(args)``.
     Success returns (the agent collects return values); a failure exits with main's code, an
@@ -115,7 +120,7 @@ def run_forked_rank(module: str, *args: str) -> None:
     try:
         code = importlib.import_module(module).main(list(args))
     except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        code = exit_status(e)
     except BaseException:  # noqa: BLE001 - printed as a spawned rank's interpreter would print it
         traceback.print_exc()
         code = 1
