@@ -3,11 +3,13 @@
 #
 #   bash scripts/gpu_checks.sh REPORT_DIR [PART ...]
 #
-# Parts (default: tests pipeline), run in the order given:
-#   all          every GPU check the project has, in three parts that each fit one 10-minute call:
-#   all:1        tests pipeline pipeline-fp8 probe
-#   all:2        nemotron cpu-on-gpu bench-quick
-#   all:3        nano
+# Parts (default: tests pipeline), run in the order given; PART+PART+... runs those parts side by
+# side on the one GPU (each its own run root and logs: REPORT_DIR/PART.out), then the next:
+#   all          every GPU check the project has but the vLLM parts (whose wheelhouse takes four calls
+#                to carry), in two halves that each fit one 10-minute call:
+#   all:1        tests+pipeline+pipeline-fp8+probe+cpu-on-gpu+nemotron (side by side: none of them
+#                times anything)
+#   all:2        bench-quick, then nano (one after the other: bench-quick's figures are timings)
 #                Every call writes REPORT_DIR/report.json (scripts/gpu_report.py: commit, versions,
 #                per part exit/seconds/figures); commit it under benchmarks/results/.
 #   tests        pytest -m gpu: CPU NVFP4 path vs ModelOpt's GPU kernel (bit-exactness report),
@@ -80,16 +82,21 @@
 # scripts/torch_ext_cache.sh).  Triton's and inductor's kernels likewise: /tmp/kernels,
 # REPORT_DIR/kernels.tgz, .gpu-cache/kernels.tgz.
 set -uo pipefail
-out=${1:?usage: gpu_checks.sh REPORT_DIR [all|all:1|all:2] [tests] [pipeline] [pipeline-fp8] [cpu-on-gpu] [gate] [bench-smoke] [bench] [bench-quick] [probe] [cost] [cost-large] [nano] [nano-vllm] [nemotron] [stash] [smollm2] [vllm-install] [vllm] [te-install] [te-trial]}
+out=${1:?usage: gpu_checks.sh REPORT_DIR [all|all:1|all:2] [PART+PART...] [tests] [pipeline] [pipeline-fp8] [cpu-on-gpu] [gate] [bench-smoke] [bench] [bench-quick] [probe] [cost] [cost-large] [nano] [nano-vllm] [nemotron] [stash] [smollm2] [vllm-install] [vllm] [te-install] [te-trial]}
 shift
 parts=${*:-tests pipeline}
 all_cases="qwen-nvfp4 qwen-fp8 nemotron-nvfp4"
 
-half1="tests pipeline pipeline-fp8 probe"
-half2="nemotron cpu-on-gpu bench-quick"
-third="nano"
-parts=$(echo " $parts " | sed -e "s/ all:1 / $half1 /g" -e "s/ all:2 / $half2 /g" -e "s/ all:3 / $third /g" \
-  -e "s/ all / $half1 $half2 $third /g")
+half1="tests+pipeline+pipeline-fp8+probe+cpu-on-gpu+nemotron"
+half2="bench-quick nano"
+parts=$(echo " $parts " | sed -e "s/ all:1 / $half1 /g" -e "s/ all:2 / $half2 /g" -e "s/ all / $half1 $half2 /g")
+valid_parts="tests pipeline pipeline-fp8 cpu-on-gpu gate bench-smoke bench bench-quick probe cost cost-large nano nano-vllm nemotron stash smollm2 vllm-install vllm te-install te-trial"
+for group in $parts; do   # every name is checked before anything runs
+  for part in ${group//+/ }; do
+    case " $valid_parts " in *" $part "*) ;; *)
+      echo "unknown part '$part' (valid: all all:1 all:2 $valid_parts; PART+PART runs parts side by side)"; exit 2 ;; esac
+  done
+done
 mkdir -p "$out"
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -177,12 +184,12 @@ vllm_case() {
     *" $name "*) smoke emulation stages.vllm_smoke.mode=offline stages.vllm_smoke.nvfp4_kernels=emulation || rc=1 ;; esac
   return $rc
 }
-status=0
-for part in $parts; do
-  t0=$(date +%s)
+# one part; its status is that of its command (pipefail: not of tee)
+run_part() {
+  local part=$1
   case $part in
     tests)
-      GPU_REPORT_DIR=$out timeout 320 python3 -m pytest -m gpu -p no:cacheprovider -s -q \
+      GPU_REPORT_DIR=$out timeout 320 python3 -m pytest -m gpu -p no:cacheprovider --basetemp=/tmp/pytest-tests -s -q \
         tests/test_gpu_quantize.py tests/test_export_stage.py 2>&1 | tee "$out/tests.log" ;;
     pipeline)
       timeout 150 python3 -m launcher.cli examples/tiny/Qwen3-MoE-tiny/megatron_lm_ptq.yaml \
@@ -312,7 +319,7 @@ for part in $parts; do
       fi
       (exit $rc) ;;
     nemotron)
-      GPU_REPORT_DIR=$out timeout 240 python3 -m pytest -m gpu -p no:cacheprovider -s -q \
+      GPU_REPORT_DIR=$out timeout 240 python3 -m pytest -m gpu -p no:cacheprovider --basetemp=/tmp/pytest-nemotron -s -q \
         tests/test_gpu_nemotron_h.py 2>&1 | tee "$out/nemotron_tests.log"
       rc_tests=$?
       timeout 300 python3 -m launcher.cli examples/tiny/NemotronH-MoE-tiny/megatron_lm_ptq.yaml \
@@ -324,11 +331,31 @@ for part in $parts; do
       [ -n "$run" ] && tar -C "$run" -czf "$out/nemotron_run.tgz" --exclude='checkpoint*' --exclude='hf' \
         --exclude='*.safetensors' . ;
       [ "$rc_tests" = 0 ] && (exit $rc) ;;
-    *) echo "unknown part '$part' (valid: all all:1 all:2 all:3 tests pipeline pipeline-fp8 cpu-on-gpu gate bench-smoke bench bench-quick probe cost cost-large nano nano-vllm nemotron stash smollm2 vllm-install vllm te-install te-trial)"; exit 2 ;;
+    *) echo "run_part: no part $part" >&2; return 2 ;;   # names are checked before the first part
   esac
-  rc=$?   # pipefail: the status of the part's command, not of tee
-  echo "== $part: exit $rc in $(( $(date +%s) - t0 )) s" | tee -a "$out/parts.txt"
-  [ "$rc" = 0 ] || status=1
+}
+status=0
+for group in $parts; do
+  if [[ $group != *+* ]]; then
+    t0=$(date +%s)
+    run_part "$group"
+    rc=$?
+    echo "== $group: exit $rc in $(( $(date +%s) - t0 )) s" | tee -a "$out/parts.txt"
+    [ "$rc" = 0 ] || status=1
+    continue
+  fi
+  # side by side on the one GPU (each part has its own run root, log and report files): each part's
+  # output goes to REPORT_DIR/PART.out, its tail is printed when the group is done
+  g0=$(date +%s); pids=()
+  for part in ${group//+/ }; do
+    ( t0=$(date +%s); run_part "$part" > "$out/$part.out" 2>&1; rc=$?
+      echo "== $part: exit $rc in $(( $(date +%s) - t0 )) s" >> "$out/parts.txt"; exit $rc ) &
+    pids+=($!)
+  done
+  for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+  for part in ${group//+/ }; do echo "---- $part (tail)"; tail -8 "$out/$part.out"; done
+  grep -E "^== (${group//+/|}): " "$out/parts.txt"
+  echo "== group $group: $(( $(date +%s) - g0 )) s" | tee -a "$out/parts.txt"
 done
 python3 scripts/gpu_report.py "$out" pipeline=/tmp/gpu-runs pipeline-fp8=/tmp/gpu-runs-fp8 \
   nemotron=/tmp/gpu-runs-nh cpu-on-gpu=/tmp/gpu-runs-cpu gate=/tmp/gpu-runs || status=1

@@ -22,6 +22,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PART_LINE = re.compile(r"^== (\S+): exit (\d+) in (\d+) s$")
+GROUP_LINE = re.compile(r"^== group (\S+): (\d+) s$")   # parts run side by side (PART+PART): the group's wall
 PYTEST_COUNTS = re.compile(r"(\d+) (passed|failed|skipped|error|errors|deselected)")
 
 
@@ -144,7 +145,7 @@ def newest_run(root: str) -> str | None:
 
 
 def build_report(out_dir: str, run_roots: dict[str, str]) -> dict:
-    parts = {}
+    parts, groups = {}, {}
     try:
         with open(os.path.join(out_dir, "parts.txt")) as f:
             for line in f:
@@ -152,6 +153,9 @@ def build_report(out_dir: str, run_roots: dict[str, str]) -> dict:
                 if m:
                     parts[m.group(1)] = {"exit": int(m.group(2)), "seconds": int(m.group(3)),
                                          "pass": m.group(2) == "0"}
+                g = GROUP_LINE.match(line.strip())
+                if g:
+                    groups[g.group(1)] = int(g.group(2))
     except OSError:
         pass
     for name, info in parts.items():
@@ -166,7 +170,7 @@ def build_report(out_dir: str, run_roots: dict[str, str]) -> dict:
     extra = {os.path.basename(p): _read_json(p) for p in sorted(glob.glob(os.path.join(out_dir, "*.json")))
              if os.path.basename(p) != "report.json"}
     return {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "commit": _commit(),
-            "versions": _versions(out_dir), "parts": parts, "all_pass": bool(parts) and all(p["pass"] for p in parts.values()),
+            "versions": _versions(out_dir), "parts": parts, "side_by_side_s": groups, "all_pass": bool(parts) and all(p["pass"] for p in parts.values()),
             "vllm": vllm_table(out_dir), "artifacts": extra}
 
 
@@ -193,6 +197,8 @@ def main(argv: list[str]) -> int:
         print(f"[report] vllm {r['case']} {r['mode']}: passed={r['passed']} agreement={r.get('agreement')} "
               f"accuracy={r.get('accuracy')} vs gate {r.get('gate_accuracy')} kernels={r.get('kernel_family')} "
               f"{r.get('reason') or r.get('failure') or ''}")
+    for group, seconds in report["side_by_side_s"].items():
+        print(f"[report] side by side {group}: {seconds} s")
     print(f"[report] commit {report['commit']}, all pass: {report['all_pass']}")
     return 0
 
