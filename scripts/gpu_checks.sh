@@ -266,30 +266,41 @@ run_part() {
       (exit $rc) ;;
     stash) ;;
     te-install)
-      # TransformerEngine 2.20.2 (scripts/te_wheelhouse.py: five parts gathered in $TE_PARTS): the core
-      # wheel and the requirements into /tmp/te-site, then transformer_engine_torch built from its sdist
-      # here (nvcc, g++; no download: NVTE_PYTORCH_FORCE_BUILD), cuDNN's headers from the image's
-      # nvidia-cudnn wheel and cudnn-frontend's from the carried one
+      # TransformerEngine 2.20.2 (scripts/te_wheelhouse.py: five parts gathered in $TE_PARTS): the sdist of
+      # transformer_engine_torch built into a wheel here (nvcc, g++; no download: NVTE_PYTORCH_FORCE_BUILD)
+      # against the core wheel's headers, cuDNN's from the image's nvidia-cudnn wheel and cudnn-frontend's;
+      # then every wheel in ONE pip --target install (all share the top-level transformer_engine/: a second
+      # --target install skips a directory that exists, or with --upgrade replaces it whole)
+      rm -rf /tmp/te-site /tmp/te-build-site
       timeout 120 python3 scripts/vllm_wheelhouse.py install --parts "$TE_PARTS" --target /tmp/te-wheels 2>&1 \
         | tee "$out/te-install.log" &&
-      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/te-site /tmp/te-wheels/*.whl 2>&1 \
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/te-build-site /tmp/te-wheels/*.whl 2>&1 \
         | tee -a "$out/te-install.log" && {
         cudnn_inc=$(python3 -c "import nvidia.cudnn as c, os; print(os.path.join(list(c.__path__)[0], 'include'))")
-        echo "[te] cuDNN headers: $cudnn_inc; cudnn-frontend: /tmp/te-site/include" | tee -a "$out/te-install.log"
-        NVTE_PYTORCH_FORCE_BUILD=TRUE NVTE_FRAMEWORK=pytorch MAX_JOBS=16 PYTHONPATH=/tmp/te-site:$PYTHONPATH \
-          CPLUS_INCLUDE_PATH="$cudnn_inc:/tmp/te-site/include${CPLUS_INCLUDE_PATH:+:$CPLUS_INCLUDE_PATH}" \
-          timeout "${TE_BUILD_TIMEOUT_S:-480}" python3 -m pip install -v --no-index --no-deps --no-build-isolation \
-          --no-compile --target /tmp/te-site /tmp/te-wheels/transformer_engine_torch-2.20.2.tar.gz \
-          > "$out/te-build.log" 2>&1
-        rc=$?; tail -40 "$out/te-build.log"; (exit $rc)
+        echo "[te] cuDNN headers: $cudnn_inc; cudnn-frontend: /tmp/te-build-site/include" | tee -a "$out/te-install.log"
+        t0=$(date +%s)
+        NVTE_PYTORCH_FORCE_BUILD=TRUE NVTE_FRAMEWORK=pytorch MAX_JOBS=16 PYTHONPATH=/tmp/te-build-site:$PYTHONPATH \
+          CPLUS_INCLUDE_PATH="$cudnn_inc:/tmp/te-build-site/include${CPLUS_INCLUDE_PATH:+:$CPLUS_INCLUDE_PATH}" \
+          timeout "${TE_BUILD_TIMEOUT_S:-480}" python3 -m pip wheel -v --no-index --no-deps --no-build-isolation \
+          -w /tmp/te-wheels /tmp/te-wheels/transformer_engine_torch-2.20.2.tar.gz > "$out/te-build.log" 2>&1
+        rc=$?; tail -5 "$out/te-build.log"; echo "[te] transformer_engine_torch built in $(( $(date +%s) - t0 )) s (exit $rc)" \
+          | tee -a "$out/te-install.log"; (exit $rc)
       } &&
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/te-site /tmp/te-wheels/*.whl 2>&1 \
+        | tee -a "$out/te-install.log" &&
       PYTHONPATH=/tmp/te-site:$PYTHONPATH timeout 120 python3 -c \
         "import transformer_engine as te, transformer_engine.pytorch; print('transformer_engine', te.__version__, 'imports')" \
         2>&1 | tee -a "$out/te-install.log" ;;
     te-trial)
       # the tiny Qwen3-MoE gate's questions through the TE spec and the local spec (scripts/te_trial.py),
       # over the `pipeline` part's run (this call's or an earlier one's on this host)
+      # (or over a pipeline run carried as .gpu-parts/pipeline_run.tgz: the `pipeline` part's archive of
+      # an earlier call, which keeps config.yaml and the gate's results; the model is the carried tiny build)
       run=$(ls -d /tmp/gpu-runs/tiny-qwen3-moe-nvfp4/* 2>/dev/null | tail -1)
+      if [ -z "$run" ] && [ -f /tmp/gpu-parts/pipeline_run.tgz ]; then
+        run=/tmp/gpu-runs/tiny-qwen3-moe-nvfp4/carried; mkdir -p "$run" && tar -C "$run" -xzf /tmp/gpu-parts/pipeline_run.tgz
+        echo "[te-trial] over the carried pipeline run: $(grep -m1 'path:' "$run/config.yaml")"
+      fi
       [ -n "$run" ] || { echo "[te-trial] no run of the pipeline part under /tmp/gpu-runs: run part pipeline first"; false; } &&
       PYTHONPATH=/tmp/te-site:$PYTHONPATH timeout "${TE_TRIAL_TIMEOUT_S:-300}" python3 scripts/te_trial.py "$run" \
         --out "$out/te_trial.json" 2>&1 | tee "$out/te-trial.log" ;;

@@ -11,6 +11,9 @@ build and run ``transformer_engine_torch`` there, pinned by sha256, packed and s
 What travels (``FILES``, read from the packages on 2026-12-07):
   * ``transformer-engine-cu13`` 2.20.2: the core library (a 276 MB wheel; xz does not shrink it:
     its CUDA code is already compressed), the headers and the Python package.
+  * ``transformer-engine`` 2.20.2: the metapackage. Its wheel repeats the Python package, and
+    ``import transformer_engine`` asserts that it is installed ("Could not find
+    `transformer-engine`", seen on the H100 on 2026-12-07 without it).
   * ``transformer_engine_torch`` 2.20.2: an sdist only (33 C++ sources against the core's headers
     and torch), built on the node with its nvcc and g++ (``NVTE_PYTORCH_FORCE_BUILD=TRUE``: its
     setup.py otherwise tries to download a prebuilt wheel from GitHub first).
@@ -42,6 +45,8 @@ PYPI_FILES = "https://files.pythonhosted.org/packages"
 FILES = {
     "transformer_engine_cu13-2.20.2-py3-none-manylinux_2_28_x86_64.whl":
         ("transformer-engine-cu13==2.20.2", "30063d3699e779cce63617c3458804f7a504ce8279f2749c98313db9daae273e"),
+    "transformer_engine-2.20.2-py3-none-any.whl":
+        ("transformer-engine==2.20.2", "7dcfad943a1a55b2612db9a0e43697fe98c70f4c42ec391ba3a0f872f6ce2094"),
     "transformer_engine_torch-2.20.2.tar.gz":
         (f"{PYPI_FILES}/3d/fb/c9ce298a38c22ed1059923a01cac7e1f4e4f7281d39a8679c8118febe079/"
          "transformer_engine_torch-2.20.2.tar.gz",

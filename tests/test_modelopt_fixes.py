@@ -288,3 +288,57 @@ def test_nvfp4_export_files_are_byte_for_byte_modelopts(tmp_path):
     assert r["quant_algo"] == "NVFP4" and r["packed_weights"] > 20, r
     assert any(n.endswith(".safetensors") for n in theirs) and "hf_quant_config.json" in theirs, theirs
     assert ours == theirs
+
+
+class _LinearWithExtraState(torch.nn.Module):
+    """A linear with TransformerEngine's ``_extra_state`` protocol (TE's modules keep their FP8
+    metadata there) and no fused norm: what the TE spec's MoE expert fc1 is."""
+
+    def __init__(self, out_features: int, in_features: int):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(out_features, in_features))
+        self.extra_loaded = []
+
+    def get_extra_state(self):
+        return torch.tensor([7])
+
+    def set_extra_state(self, state):
+        self.extra_loaded.append(state)
+
+
+class _Importer:
+    """What ModelOpt's ``_gated_mlp_merging`` reads from its importer: the dtype and the HF tensors."""
+
+    dtype = torch.float32
+
+    def __init__(self, tensors: dict):
+        self.tensors = tensors
+
+    def _get_safetensor(self, key, parallel_config=None):
+        return self.tensors[key]
+
+
+def test_te_expert_fc1_with_extra_state_imports_after_the_fix():
+    """ModelOpt's own merge (gate and up stacked into fc1) on a module with extra state: the strict
+    load fails as on the H100 without the fix; with it the weight is the merged one and the module's
+    own extra state is given back; a module without extra state is untouched by the fix."""
+    from modelopt.torch.export.plugins.megatron_importer import GPTModelImporter
+
+    from launcher.megatron import patches
+
+    gate, up = torch.randn(3, 4), torch.randn(3, 4)
+    importer = _Importer({"e.gate_proj.weight": gate, "e.up_proj.weight": up})
+    original = GPTModelImporter.__dict__["_gated_mlp_merging"]
+    with pytest.raises(RuntimeError, match='Missing key\\(s\\) in state_dict: "_extra_state"'):
+        GPTModelImporter._gated_mlp_merging(importer, _LinearWithExtraState(6, 4), "e.")
+    assert patches.apply("modelopt_te_gated_mlp_extra_state")
+    module = _LinearWithExtraState(6, 4)
+    GPTModelImporter._gated_mlp_merging(importer, module, "e.")
+    assert torch.equal(module.weight.data, torch.cat((gate, up)))
+    assert [s.tolist() for s in module.extra_loaded] == [[7]]
+    assert "load_state_dict" not in vars(module)          # the per-call wrapper is gone
+    plain = torch.nn.Linear(4, 6, bias=False)
+    GPTModelImporter._gated_mlp_merging(importer, plain, "e.")
+    assert torch.equal(plain.weight.data, torch.cat((gate, up)))
+    patches.undo("modelopt_te_gated_mlp_extra_state")
+    assert GPTModelImporter.__dict__["_gated_mlp_merging"] is original

@@ -34,7 +34,7 @@ def test_register_entries_say_why_when_and_where():
 
     owners = {"cpu_": "launcher.megatron.cpu_compat:", "modelopt_": "launcher.megatron.modelopt_fixes:",
               "moe_": "launcher.megatron.grouped_experts:", "mamba_": "launcher.megatron.mamba_ssm_compat:"}
-    assert len(PATCHES) == 13
+    assert len(PATCHES) == 14
     for name, p in PATCHES.items():
         assert p.name == name and len(p.reason) > 20 and p.condition, p
         assert p.target.startswith(next(v for k, v in owners.items() if name.startswith(k))), p

@@ -45,11 +45,21 @@ on both devices (the H200 probe, ``gpu_checks.sh probe``: the same bytes for NVF
 is the device the MMLU gate's folded weights are computed on (``exported_weights``).  On a rank
 without CUDA the patch has nothing to do and is not applied.  ``tests/test_gpu_quantize.py``
 exports one model both ways and compares the files byte for byte.
+
+``te_gated_mlp_extra_state`` - ModelOpt 0.47's HF importer loads a gated MLP's merged fc1 weight
+with a strict ``load_state_dict`` and keeps the module's TransformerEngine ``_extra_state`` only when
+the module also has a fused LayerNorm weight.  Under Megatron's TE layer spec the MoE experts' fc1
+(``TEColumnParallelLinear``, no fused norm) then fails: "Missing key(s) in state_dict:
+"_extra_state"" (the H100 TE trial, benchmarks/results/2026-12-07-h100-te-trial.json).  The fix
+gives that one load the module's own ``_extra_state`` when the importer's dict lacks it; a module
+without extra state (the local spec's linears) loads exactly as before.
+``tests/test_modelopt_fixes.py`` runs ModelOpt's own merge on a module with extra state both ways.
 """
 from __future__ import annotations
 
 FIXES = ("modelopt_fp8_export_single_rounding", "modelopt_nemotron_h_embedding_name",
-         "modelopt_nvfp4_fast_cast", "modelopt_export_pack_on_gpu")   # patch register names
+         "modelopt_nvfp4_fast_cast", "modelopt_export_pack_on_gpu",
+         "modelopt_te_gated_mlp_extra_state")   # patch register names
 
 
 def fp8_export_single_rounding(rec) -> None:
@@ -150,6 +160,35 @@ def export_pack_on_gpu(rec) -> bool:
     # "cuda": the current device when each weight is packed (the rank's, set by init_distributed)
     rec.set(exporter, "to_quantized_weight", pack_on(torch.device("cuda"), exporter.to_quantized_weight))
     return True
+
+
+def keeping_extra_state(merge):
+    """``GPTModelImporter._gated_mlp_merging`` whose one ``load_state_dict`` keeps the module's own
+    ``_extra_state`` where the merged dict lacks it (TE linears without a fused norm)."""
+    def _gated_mlp_merging(self, module, *args, **kwargs):
+        own = module.state_dict()
+        if "_extra_state" not in own:
+            return merge(self, module, *args, **kwargs)
+        load = module.load_state_dict
+
+        def load_state_dict(state_dict, *a, **k):
+            if "_extra_state" not in state_dict:
+                state_dict = {**state_dict, "_extra_state": own["_extra_state"]}
+            return load(state_dict, *a, **k)
+
+        module.load_state_dict = load_state_dict    # this call only: the instance attribute goes after
+        try:
+            return merge(self, module, *args, **kwargs)
+        finally:
+            del module.load_state_dict
+
+    return _gated_mlp_merging
+
+
+def te_gated_mlp_extra_state(rec) -> None:
+    from modelopt.torch.export.plugins.megatron_importer import GPTModelImporter
+
+    rec.set(GPTModelImporter, "_gated_mlp_merging", keeping_extra_state(GPTModelImporter._gated_mlp_merging))
 
 
 def apply_modelopt_fixes() -> list[str]:
