@@ -271,7 +271,7 @@ run_part() {
       # against the core wheel's headers, cuDNN's from the image's nvidia-cudnn wheel and cudnn-frontend's;
       # then every wheel in ONE pip --target install (all share the top-level transformer_engine/: a second
       # --target install skips a directory that exists, or with --upgrade replaces it whole)
-      rm -rf /tmp/te-site /tmp/te-build-site
+      rm -rf /tmp/te-site /tmp/te-build-site /tmp/te-wheels
       timeout 120 python3 scripts/vllm_wheelhouse.py install --parts "$TE_PARTS" --target /tmp/te-wheels 2>&1 \
         | tee "$out/te-install.log" &&
       python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/te-build-site /tmp/te-wheels/*.whl 2>&1 \
@@ -279,12 +279,18 @@ run_part() {
         cudnn_inc=$(python3 -c "import nvidia.cudnn as c, os; print(os.path.join(list(c.__path__)[0], 'include'))")
         echo "[te] cuDNN headers: $cudnn_inc; cudnn-frontend: /tmp/te-build-site/include" | tee -a "$out/te-install.log"
         t0=$(date +%s)
-        NVTE_PYTORCH_FORCE_BUILD=TRUE NVTE_FRAMEWORK=pytorch MAX_JOBS=16 PYTHONPATH=/tmp/te-build-site:$PYTHONPATH \
-          CPLUS_INCLUDE_PATH="$cudnn_inc:/tmp/te-build-site/include${CPLUS_INCLUDE_PATH:+:$CPLUS_INCLUDE_PATH}" \
-          timeout "${TE_BUILD_TIMEOUT_S:-480}" python3 -m pip wheel -v --no-index --no-deps --no-build-isolation \
-          -w /tmp/te-wheels /tmp/te-wheels/transformer_engine_torch-2.20.2.tar.gz > "$out/te-build.log" 2>&1
-        rc=$?; tail -5 "$out/te-build.log"; echo "[te] transformer_engine_torch built in $(( $(date +%s) - t0 )) s (exit $rc)" \
-          | tee -a "$out/te-install.log"; (exit $rc)
+        built=$(ls /tmp/gpu-parts/transformer_engine_torch-2.20.2-cp312-*.whl 2>/dev/null | head -1)
+        if [ -n "$built" ]; then   # the wheel an earlier call built on this image, carried back in .gpu-parts/
+          cp "$built" /tmp/te-wheels/ && echo "[te] transformer_engine_torch: the carried build $(basename "$built"), not rebuilt" \
+            | tee -a "$out/te-install.log"
+        else
+          NVTE_PYTORCH_FORCE_BUILD=TRUE NVTE_FRAMEWORK=pytorch MAX_JOBS=16 PYTHONPATH=/tmp/te-build-site:$PYTHONPATH \
+            CPLUS_INCLUDE_PATH="$cudnn_inc:/tmp/te-build-site/include${CPLUS_INCLUDE_PATH:+:$CPLUS_INCLUDE_PATH}" \
+            timeout "${TE_BUILD_TIMEOUT_S:-480}" python3 -m pip wheel -v --no-index --no-deps --no-build-isolation \
+            -w /tmp/te-wheels /tmp/te-wheels/transformer_engine_torch-2.20.2.tar.gz > "$out/te-build.log" 2>&1
+          rc=$?; tail -5 "$out/te-build.log"; echo "[te] transformer_engine_torch built in $(( $(date +%s) - t0 )) s (exit $rc)" \
+            | tee -a "$out/te-install.log"; cp /tmp/te-wheels/transformer_engine_torch-*.whl "$out/" 2>/dev/null; (exit $rc)
+        fi
       } &&
       python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/te-site /tmp/te-wheels/*.whl 2>&1 \
         | tee -a "$out/te-install.log" &&

@@ -50,7 +50,7 @@ exports one model both ways and compares the files byte for byte.
 with a strict ``load_state_dict`` and keeps the module's TransformerEngine ``_extra_state`` only when
 the module also has a fused LayerNorm weight.  Under Megatron's TE layer spec the MoE experts' fc1
 (``TEColumnParallelLinear``, no fused norm) then fails: "Missing key(s) in state_dict:
-"_extra_state"" (the H100 TE trial, benchmarks/results/2026-12-07-h100-te-trial.json).  The fix
+"_extra_state"" (the H100 TE trial, benchmarks/results/2026-12-07-h100-all-c4aa2e6.json, call 8).  The fix
 gives that one load the module's own ``_extra_state`` when the importer's dict lacks it; a module
 without extra state (the local spec's linears) loads exactly as before.
 ``tests/test_modelopt_fixes.py`` runs ModelOpt's own merge on a module with extra state both ways.
