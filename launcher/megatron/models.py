@@ -41,15 +41,16 @@ def resolve_dtype(dtype: "str | torch.dtype", device: str) -> "torch.dtype":
     return torch.float32 if device == "cpu" else getattr(torch, name)
 
 
-# Why the builder never takes TransformerEngine's layer specs, even where TE is installed (an NGC
-# container): that branch never ran in this project.  Its Python wheel, transformer_engine_torch
-# 2.20.2, has no binary wheel for cp312 (the H200 image's Python), only an sdist of 33 C++/CUDA
-# sources to build against transformer-engine-cu13's 276 MB wheel; carrying that to the lent H200
-# takes five 64-MiB calls before the build starts, which the device budget did not allow
-# (README, "TransformerEngine").  Megatron's own local modules run everywhere and are tested.
-TE_SPEC_REFUSAL = ("TransformerEngine layer specs are not supported by this launcher: they were never "
-                   "tested here (transformer_engine_torch has no cp312 binary wheel and was not built on "
-                   "the H200; README, 'TransformerEngine'); the local Megatron spec is used on every machine")
+# Why the launcher's stages never take TransformerEngine's layer specs, even where TE is installed (an
+# NGC container): no TE-spec model has completed the gate here.  On an H100 (2026-12-07, README
+# "TransformerEngine") TE 2.20.2 built on the host (transformer_engine_torch is an sdist only) and
+# imported, and the trial's TE-spec models then failed in ModelOpt 0.47's HF import (a TE expert fc1's
+# _extra_state dropped: ``modelopt_fixes.te_gated_mlp_extra_state`` now keeps it, tested on CPU, not
+# yet on a GPU).  Megatron's own local modules run everywhere and are tested.
+TE_SPEC_REFUSAL = ("TransformerEngine layer specs are not supported by this launcher: no TE-spec model has "
+                   "completed the gate here (TE 2.20.2 built and imported on an H100; the TE-spec model "
+                   "failed in ModelOpt's HF import, a bug now patched but not yet rerun on a GPU; README, "
+                   "'TransformerEngine'); the local Megatron spec is used on every machine")
 # ``build_model(layer_spec=...)``: "local" everywhere; "te" (Megatron's TransformerEngine spec, GPT
 # architectures on CUDA where transformer_engine imports) only for scripts/te_trial.py, the GPU trial
 # that compares it with the local spec.  No config key reaches it: the launcher's stages stay local.
