@@ -9,6 +9,7 @@ on CPU, and the GPU checks run it on CUDA.
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -170,3 +171,33 @@ def test_the_zygote_declines_ranks_it_must_not_fork(tmp_path):
         zygote, why = Zygote.start([PY, "-m", "launcher.cli", "x.yaml"], {**os.environ, "CUDA_VISIBLE_DEVICES": ""},
                                    log.fileno())
     assert zygote is None and why == f"the command is not `{PY} -m` one of launcher.worker", why
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return any(line.startswith("State:") and "Z" in line.split()[1] for line in f)
+    except FileNotFoundError:
+        return True
+
+
+def test_a_failing_forked_rank_ends_the_multiprocessing_children_it_leaves(tmp_path, monkeypatch):
+    """A forked rank that fails leaves by os._exit, which skips multiprocessing's exit handler: the
+    child it started (a checkpoint writer, say) must still end, or it keeps the stage's output open."""
+    from launcher.executors import rank_start
+
+    monkeypatch.setattr(rank_start, "FORKABLE", (*rank_start.FORKABLE, "launcher_testing.forked_rank_probe"))
+    pidfile = tmp_path / "child.pid"
+    pid = os.fork()
+    if pid == 0:   # the rank
+        try:
+            rank_start.run_forked_rank("launcher_testing.forked_rank_probe", str(pidfile))
+        finally:
+            os._exit(99)   # not reached: the failure exits with its code
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 3
+    child = int(pidfile.read_text())
+    deadline = time.monotonic() + 10
+    while not _gone(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _gone(child), f"the rank's multiprocessing child {child} outlived it"

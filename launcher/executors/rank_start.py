@@ -127,4 +127,22 @@ def run_forked_rank(module: str, *args: str) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     if code:
+        end_children()
         os._exit(int(code))
+
+
+def end_children(grace_s: float = 5.0) -> list[int]:
+    """Terminate the multiprocessing children a failing forked rank leaves behind (e.g. dist_checkpointing's
+    writers), as multiprocessing's own exit handler would; ``os._exit`` skips it, and a child left running
+    would keep the stage's output pipe open. Returns their pids."""
+    import multiprocessing
+
+    children = multiprocessing.active_children()
+    for child in children:
+        child.terminate()
+    for child in children:
+        child.join(grace_s)
+        if child.is_alive():
+            child.kill()
+            child.join(grace_s)
+    return [c.pid for c in children]
