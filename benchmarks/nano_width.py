@@ -11,6 +11,9 @@ of the card's own pattern) it
      untied embeddings), with the pattern cut to the given layers and the vocabulary of the Qwen
      tokenizer in ``.bench/qwen-tokenizer`` (151,665 tokens, rounded up to a multiple of 128);
      bf16 weights, built on the GPU and saved as safetensors;
+  1b. with ``--train-steps N``, trains it for N steps on the gate's own questions
+     (benchmarks/_answer_training.py: decisive choices, so the vLLM smoke's agreement measures the
+     serving, not a random model's near-ties), and saves it again;
   2. runs the product on it: ``launch`` of the Nano example on ``executor.device`` at world size 1
      (quantize NVFP4 with ``--calib-size`` samples of ``--calib-len`` tokens of MMLU text, the MMLU
      gate on ``--fraction`` of ``.bench/mmlu/test.jsonl``, export), the gate's bound set to 0 (a
@@ -144,6 +147,30 @@ def build_model(out: str, card: dict, pattern: str, device: str, seed: int = 0) 
     return {"pattern": pattern, "layers": len(pattern), "vocab": vocab, "tokenizer_tokens": len(tok),
             "params": counts, "build_s": build_s, "save_s": save_s,
             "bytes_bf16": sum(os.path.getsize(p) for p in glob.glob(os.path.join(out, "*.safetensors")))}
+
+
+def train_saved_model(hf: str, launch: list[str], args) -> dict:
+    """The saved random model trained on the gate's own questions (``benchmarks/_answer_training.py``:
+    decisive choices, so a served export's agreement with the gate measures serving, not noise), saved
+    again in place; the stage config is the launch's own (``launch`` is its argv)."""
+    import torch
+    import transformers
+
+    from benchmarks._answer_training import prompts_for, train_answers
+    from launcher.config.compose import compose_example
+
+    cfg = compose_example(os.path.join(REPO_ROOT, NANO), launch[launch.index(NANO) + 1:])
+    tokenizer = transformers.AutoTokenizer.from_pretrained(hf)
+    prompts = prompts_for(cfg.stages.mmlu, tokenizer)
+    model = transformers.NemotronHForCausalLM.from_pretrained(hf, torch_dtype=torch.bfloat16, device_map=args.device)
+    figures = train_answers(model, prompts, args.train_steps, args.train_lr, args.train_batch, log=log)
+    t = time.perf_counter()
+    model.save_pretrained(hf, max_shard_size="2GB")
+    figures["save_s"] = round(time.perf_counter() - t, 2)
+    del model
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+    return figures
 
 
 class GpuMemorySampler:
@@ -317,9 +344,10 @@ def serve_with_vllm(base: list[str], run: str, args) -> dict:
 
 def run_pattern(spec: str, card: dict, work: str, args) -> dict:
     pattern = resolve_pattern(spec, card["hybrid_override_pattern"])
-    hf = os.path.join(work, f"nano-{len(pattern)}")
+    trained = f"-trained{args.train_steps}" if args.train_steps else ""   # a trained model is another model
+    hf = os.path.join(work, f"nano-{len(pattern)}{trained}")
     runs_root = os.path.join(work, "runs")
-    job = f"nano-width-{len(pattern)}"
+    job = f"nano-width-{len(pattern)}{trained}"
     calib = os.path.join(work, "calib.jsonl")
     model_json = os.path.join(hf, "nano_width_model.json")
     launch_json = os.path.join(work, f"{job}.launch.json")
@@ -346,6 +374,9 @@ def run_pattern(spec: str, card: dict, work: str, args) -> dict:
             f"built {model['build_s']:.1f} s, saved {model['save_s']:.1f} s")
         write_calibration(calib, args.calib_size)
         base = launch_argv(hf, pattern, model, calib, runs_root, job, args, ["stages.vllm_smoke.enabled=false"])
+        if args.train_steps:
+            model["answers"] = train_saved_model(hf, base, args)
+            write_json(model_json, model)
         write_json(launch_json, base)
         log("  " + " ".join(base))
         t = time.perf_counter()
@@ -410,12 +441,19 @@ def main(argv=None) -> int:
                     help="comma-separated stages.vllm_smoke.nvfp4_kernels values to serve with (default: both)")
     ap.add_argument("--profile", default="export", help="PTQ_PROFILE for the pipeline: the stages whose rank 0 "
                     "profile summary goes into the report (default export: where the writer's time goes; '' for none)")
+    ap.add_argument("--train-steps", type=int, default=0, help="train the random model on the gate's own "
+                    "questions for this many steps before the launch (0: random; benchmarks/_answer_training.py)")
+    ap.add_argument("--train-lr", type=float, default=1e-3)
+    ap.add_argument("--train-batch", type=int, default=8)
     ap.add_argument("overrides", nargs="*", help="extra launch overrides")
     args = ap.parse_args(argv)
     card = read_card()
     specs = args.patterns.split(",")
     for s in specs:                          # refuse a bad spec before building anything
         resolve_pattern(s, card["hybrid_override_pattern"])
+    if args.train_steps < 0 or args.train_batch < 1 or args.train_lr <= 0:
+        ap.error(f"--train-steps {args.train_steps} must be >= 0, --train-batch {args.train_batch} >= 1 and "
+                 f"--train-lr {args.train_lr} > 0")
     doc = {"benchmark": "nano_width", "card": os.path.relpath(CARD, REPO_ROOT), "args": vars(args), "results": []}
     work = args.work or tempfile.mkdtemp(prefix="bench-nano-")
     os.makedirs(work, exist_ok=True)

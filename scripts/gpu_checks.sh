@@ -59,7 +59,8 @@
 #                Nano example at world size 1: per-stage breakdown, peak GPU memory, export
 #                throughput, gate MFU, rank 0's profile of the stages in $NANO_PROFILE (default export;
 #                e.g. quantize,export) (needs .bench/qwen-tokenizer and .bench/mmlu); models and runs
-#                stay in /tmp/nano-work for a later call on this host
+#                stay in /tmp/nano-work for a later call on this host; NANO_TRAIN_STEPS=N first trains the
+#                random model N steps on the gate's own questions (decisive choices for the vLLM smoke)
 #   nano-vllm    the same (a pattern whose run completed in /tmp/nano-work is reused, not rerun), then
 #                the vLLM smoke on each export (offline mode; needs vllm-install first), with vLLM's own
 #                kernels and with its NVFP4 emulation ($NANO_VLLM_KERNELS, default auto,emulation): each
@@ -321,7 +322,7 @@ run_part() {
       vllm_arg=(); [ "$part" = nano-vllm ] && vllm_arg=(--vllm "$root/scripts/vllm_site_python"
                                                         --vllm-kernels "${NANO_VLLM_KERNELS:-auto,emulation}")
       timeout "${NANO_TIMEOUT_S:-560}" python3 benchmarks/nano_width.py --out "$out/$part.json" --work /tmp/nano-work \
-        --patterns "${NANO_PATTERNS:-MEM*E}" --timeout "$(( ${NANO_TIMEOUT_S:-560} - 30 ))" --profile "${NANO_PROFILE:-export}" \
+        --patterns "${NANO_PATTERNS:-MEM*E}" ${NANO_TRAIN_STEPS:+--train-steps $NANO_TRAIN_STEPS} --timeout "$(( ${NANO_TIMEOUT_S:-560} - 30 ))" --profile "${NANO_PROFILE:-export}" \
         "${vllm_arg[@]}" 2>&1 | tee "$out/$part.log"
       rc=$?
       # vLLM's own log and the responses of each served export (nano_width.py's JSON keeps only the

@@ -1,0 +1,133 @@
+"""Teach a random HF model the answers of the gate's own questions, so that its choices are decisive.
+
+A random model's four choice logits are nearly equal, so any two correct implementations of it (the
+gate's Megatron forward and vLLM's, say) disagree on many questions by noise alone: at Nano width,
+served with NVFP4 emulation, 0.887 agreement with a median choice-score difference of 0.40
+(benchmarks/results/2026-12-07-h100-all-2e8e0e5.json). The tiny builds are trained for that reason
+(launcher_testing/tiny). At Nano width this module does the same, briefly, for the questions the
+gate asks: the loss is the cross-entropy of the four choice logits at each prompt's last position
+(what the gate argmaxes) against the answer, on the exact prompts and token ids the gate builds
+(``launcher.mmlu.prepared.prepare`` of the run's own ``stages.mmlu`` config).
+
+Every parameter but the routed experts' is trained (AdamW, bf16 like the model; the experts hold
+2.55 of the 3.51 B parameters of ``MEM*E`` and stay random, which keeps the optimizer's state small).
+Right padding: causal layers (attention and Mamba-2 alike) never let a later pad reach a real token,
+so the logits at each prompt's last real position are those of the prompt alone.
+
+    figures = train_answers(model, prompts_for(config), steps=60, lr=1e-3, batch_size=8, seed=0)
+"""
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class GatePrompts:
+    token_ids: list          # list[list[int]]: the gate's prompts, tokenized as the gate does
+    answers: list            # list[int]: 0..3
+    choice_ids: list         # the token ids of " A", " B", " C", " D" (the gate's)
+    pad_id: int
+
+
+def prompts_for(stage_cfg, tokenizer) -> GatePrompts:
+    """The gate's own prompts for ``stage_cfg`` (a composed ``stages.mmlu``)."""
+    from launcher.mmlu.prepared import prepare
+
+    prepared = prepare(stage_cfg, tokenizer)
+    return GatePrompts([list(t) for t in prepared.token_ids], [p.question.answer for p in prepared.prompts],
+                       list(prepared.choice_ids), int(prepared.pad_id))
+
+
+def trainable(name: str) -> bool:
+    """Every parameter but a routed expert's (``...mixer.experts.N...``; the shared expert trains)."""
+    return ".experts." not in name
+
+
+def _batch(prompts: GatePrompts, rows: list, device):
+    import torch
+
+    longest = max(len(prompts.token_ids[i]) for i in rows)
+    ids = torch.full((len(rows), longest), prompts.pad_id, dtype=torch.long)
+    for r, i in enumerate(rows):
+        ids[r, :len(prompts.token_ids[i])] = torch.tensor(prompts.token_ids[i])
+    last = torch.tensor([len(prompts.token_ids[i]) - 1 for i in rows])
+    return ids.to(device), last.to(device), torch.tensor([prompts.answers[i] for i in rows], device=device)
+
+
+def choice_logits(model, prompts: GatePrompts, rows: list, device):
+    """[len(rows), 4]: the choice tokens' logits at each prompt's last position."""
+    import torch
+
+    ids, last, _ = _batch(prompts, rows, device)
+    logits = model(input_ids=ids).logits
+    return logits[torch.arange(len(rows), device=device), last][:, torch.tensor(prompts.choice_ids, device=device)]
+
+
+def evaluate(model, prompts: GatePrompts, batch_size: int, device) -> dict:
+    """Accuracy and the median margin (best choice logit minus the runner-up) over every prompt."""
+    import torch
+
+    was_training = model.training
+    model.eval()
+    correct, margins = 0, []
+    with torch.no_grad():
+        for start in range(0, len(prompts.answers), batch_size):
+            rows = list(range(start, min(start + batch_size, len(prompts.answers))))
+            scores = choice_logits(model, prompts, rows, device).float()
+            top2 = scores.topk(2, dim=1).values
+            margins += (top2[:, 0] - top2[:, 1]).tolist()
+            correct += int((scores.argmax(1).cpu() == torch.tensor([prompts.answers[i] for i in rows])).sum())
+    model.train(was_training)
+    margins.sort()
+    return {"accuracy": correct / len(prompts.answers), "n": len(prompts.answers),
+            "median_margin": margins[len(margins) // 2]}
+
+
+def train_answers(model, prompts: GatePrompts, steps: int, lr: float, batch_size: int, seed: int = 0,
+                  log=print) -> dict:
+    """Train ``model`` in place for ``steps`` AdamW steps of ``batch_size`` prompts (shuffled epochs,
+    ``seed``); returns the figures before and after, the loss every step and the seconds."""
+    import torch
+
+    if steps < 1 or batch_size < 1:
+        raise ValueError(f"steps and batch_size must be >= 1, got {steps}, {batch_size}")
+    device = next(model.parameters()).device
+    names = [n for n, p in model.named_parameters() if trainable(n)]
+    params = []
+    for n, p in model.named_parameters():
+        p.requires_grad_(trainable(n))
+        if p.requires_grad:
+            params.append(p)
+    t0 = time.perf_counter()
+    before = evaluate(model, prompts, batch_size, device)
+    log(f"[answers] before: accuracy {before['accuracy']:.3f} on {before['n']}, median margin "
+        f"{before['median_margin']:.3f}; training {sum(p.numel() for p in params) / 1e9:.2f} B parameters")
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    order, losses = random.Random(seed), []
+    queue: list = []
+    model.train()
+    for step in range(steps):
+        if len(queue) < batch_size:
+            epoch = list(range(len(prompts.answers)))
+            order.shuffle(epoch)
+            queue += epoch
+        rows, queue = queue[:batch_size], queue[batch_size:]
+        _, _, target = _batch(prompts, rows, device)
+        loss = torch.nn.functional.cross_entropy(choice_logits(model, prompts, rows, device).float(), target)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(round(float(loss.detach()), 4))
+        if step % 10 == 0 or step == steps - 1:
+            log(f"[answers] step {step + 1}/{steps}: loss {losses[-1]:.4f}")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    del opt
+    model.eval()
+    after = evaluate(model, prompts, batch_size, device)
+    log(f"[answers] after: accuracy {after['accuracy']:.3f}, median margin {after['median_margin']:.3f}")
+    return {"steps": steps, "lr": lr, "batch_size": batch_size, "seed": seed, "trained_tensors": len(names),
+            "trained_params": sum(p.numel() for p in params), "before": before, "after": after,
+            "losses": losses, "seconds": round(time.perf_counter() - t0, 2)}

@@ -1,0 +1,68 @@
+"""benchmarks/_answer_training.py on CPU: a random tiny Qwen3-MoE (the tiny build's config and tokenizer,
+fresh weights) trained on the tiny example gate's own prompts becomes decisive and right on them; the
+routed experts stay as they were; the same seed gives the same losses. (At Nano width it runs on the
+GPU: benchmarks/nano_width.py --train-steps.)"""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from benchmarks._answer_training import GatePrompts, prompts_for, train_answers, trainable
+
+torch = pytest.importorskip("torch")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY_EXAMPLE = os.path.join(ROOT, "examples", "tiny", "Qwen3-MoE-tiny", "megatron_lm_ptq.yaml")
+
+
+@pytest.fixture(scope="module")
+def gate_prompts(tiny_dir):
+    import transformers
+
+    from launcher.config.compose import compose_example
+
+    cfg = compose_example(TINY_EXAMPLE, [f"model.path={tiny_dir}/hf"])
+    prompts = prompts_for(cfg.stages.mmlu, transformers.AutoTokenizer.from_pretrained(f"{tiny_dir}/hf"))
+    assert len(prompts.answers) == 320 and set(prompts.answers) == {0, 1, 2, 3}
+    n = 24    # the first 24 of the gate's questions: enough to see it learn, quick on CPU
+    return GatePrompts(prompts.token_ids[:n], prompts.answers[:n], prompts.choice_ids, prompts.pad_id)
+
+
+def _random_model(tiny_dir):
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(f"{tiny_dir}/hf")
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config).float()
+
+
+def test_only_the_routed_experts_are_frozen():
+    assert not trainable("backbone.layers.1.mixer.experts.17.up_proj.weight")
+    assert not trainable("model.layers.0.mlp.experts.3.gate_proj.weight")
+    assert trainable("backbone.layers.1.mixer.shared_experts.up_proj.weight")
+    assert trainable("backbone.layers.1.mixer.gate.weight") and trainable("lm_head.weight")
+
+
+def test_a_random_model_learns_the_gates_answers(tiny_dir, gate_prompts):
+    model = _random_model(tiny_dir)
+    experts = {n: p.detach().clone() for n, p in model.named_parameters() if not trainable(n)}
+    others = {n: p.detach().clone() for n, p in model.named_parameters() if trainable(n)}
+    assert experts and others
+    figures = train_answers(model, gate_prompts, steps=60, lr=1e-3, batch_size=8, seed=0, log=lambda _m: None)
+    assert figures["before"]["accuracy"] < 0.6
+    assert figures["after"]["accuracy"] == 1.0, figures["after"]
+    assert figures["after"]["median_margin"] > 1.0 > figures["before"]["median_margin"], figures
+    assert min(figures["losses"][-5:]) < figures["losses"][0] / 4, figures["losses"]
+    params = dict(model.named_parameters())
+    assert all(torch.equal(params[n], t) for n, t in experts.items())
+    assert sum(not torch.equal(params[n], t) for n, t in others.items()) > len(others) // 2
+    assert not any(p.requires_grad for p in model.parameters())   # left as an inference model
+
+    again = train_answers(_random_model(tiny_dir), gate_prompts, steps=5, lr=1e-3, batch_size=8, seed=0,
+                          log=lambda _m: None)
+    assert again["losses"] == figures["losses"][:5]
+
+
+def test_bad_training_settings_are_refused(tiny_dir, gate_prompts):
+    with pytest.raises(ValueError, match="steps and batch_size must be >= 1, got 0, 8"):
+        train_answers(_random_model(tiny_dir), gate_prompts, steps=0, lr=1e-3, batch_size=8)
