@@ -10,6 +10,7 @@ import pytest
 
 from benchmarks._answer_training import GatePrompts, prompts_for, train_answers, trainable
 
+pytestmark = pytest.mark.torch
 torch = pytest.importorskip("torch")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_EXAMPLE = os.path.join(ROOT, "examples", "tiny", "Qwen3-MoE-tiny", "megatron_lm_ptq.yaml")
