@@ -21,6 +21,43 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(line)
 
 
+# ---------------------------------------------------------------- what torch sets in this process
+# torch sets some variables in os.environ by itself, the first time this process needs them: building
+# a model here (the random_tiny_moe fixture) sets inductor's TORCHINDUCTOR_CACHE_DIR=/tmp/torchinductor_<user>.
+# Left there, they reach every later test and the ranks it starts, and run_on_ranks would take pooled
+# or fresh ranks by whether the pool started before or after (an import-time variable): by which tests
+# ran earlier in the process, an order xdist's workers vary.  Put back after each phase of a test (a
+# test that needs another value gives it to its ranks or subprocesses: run_on_ranks' env=).
+TORCH_SET_VARS = ("TORCHINDUCTOR_CACHE_DIR",)
+_SESSION_START_ENV = {k: os.environ.get(k) for k in TORCH_SET_VARS}
+
+
+def _put_back_torch_set_vars() -> None:
+    for key, value in _SESSION_START_ENV.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    yield
+    _put_back_torch_set_vars()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    yield
+    _put_back_torch_set_vars()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    yield
+    _put_back_torch_set_vars()
+
+
 def pytest_unconfigure(config):
     ranks = sys.modules.get("launcher_testing.ranks")   # imported only if a test used it
     if ranks is not None:
