@@ -1,13 +1,13 @@
 """Shared fixtures: the tiny embedded-default model (built once, cached by its recipe hash); the
 session's shared runs (tests/shared_runs.py: `tiny_run`, used copy-on-write); the session's rank
-pool (PTQ_RANK_POOL, below)."""
+pool (PTQ_RANK_POOL, below); how `make test` spreads the files over two workers (tests/xdist_plan.py)."""
 import os
 import re
 import sys
 
 import pytest
 
-pytest_plugins = ["shared_runs"]
+pytest_plugins = ["shared_runs", "xdist_plan"]
 
 # ---------------------------------------------------------------- the session's rank pool
 # run_on_ranks runs its calls on one pool of preloaded rank processes per session
