@@ -17,7 +17,7 @@ os.environ.setdefault("PTQ_RANK_POOL", "1")
 
 def pytest_terminal_summary(terminalreporter):
     ranks = sys.modules.get("launcher_testing.ranks")
-    for line in ranks.summary() if ranks is not None else ():
+    for line in [*(ranks.summary() if ranks is not None else ()), *_worker_summaries]:
         terminalreporter.write_line(line)
 
 
@@ -56,6 +56,18 @@ def pytest_runtest_call(item):
 def pytest_runtest_teardown(item, nextitem):
     yield
     _put_back_torch_set_vars()
+
+
+# ---------------------------------------------------------------- what xdist workers report (make test)
+# a worker's pool summary and torch importers go to the controller, which prints and judges them
+_worker_summaries: list[str] = []
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    out, worker = getattr(node, "workeroutput", None) or {}, getattr(getattr(node, "gateway", None), "id", "?")
+    _worker_summaries.extend(f"[{worker}] {line}" for line in out.get("rank_summary", ()))
+    _torch_importers.extend(out.get("torch_importers", ()))
 
 
 def pytest_unconfigure(config):
@@ -149,6 +161,12 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_sessionfinish(session, exitstatus):
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:   # an xdist worker: the controller reports (pytest_testnodedown)
+        ranks = sys.modules.get("launcher_testing.ranks")
+        workeroutput["rank_summary"] = ranks.summary() if ranks is not None else []
+        workeroutput["torch_importers"] = list(_torch_importers)
+        return
     if TORCH_FREE and _torch_importers:
         print("\n[torch-free] these imported torch in a torch-free run; mark them `torch` (or make them "
               "torch-free):\n  " + "\n  ".join(_torch_importers))
