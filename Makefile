@@ -46,10 +46,10 @@ demo-report: venv tiny-qwen
 	PATH=$(abspath $(VENV))/bin:$$PATH bash scripts/demo_report.sh $(DEMO_RUNS)
 
 # TEST_WORKERS pytest-xdist workers, each test file on one of them (tests/xdist_plan.py; 0: one process).
-# 2 took 903 s instead of 1,412 s here (2026-12-07), but stays off until the local executor's master port
-# is race-free: free_port() binds port 0 and lets it go, and the stage's agent binds it ~10 s later;
-# meanwhile another worker's connection can take it (EADDRINUSE, once in two full runs with 2 workers).
-TEST_WORKERS ?= 0
+# 2 took 903 s instead of 1,412 s here (2026-12-07). The master ports are drawn below the ephemeral range
+# (launcher/ports.py): a port from binding port 0 could be taken by another worker's connection before
+# the stage's agent bound it (EADDRINUSE, once in two full runs with 2 workers).
+TEST_WORKERS ?= 2
 test: venv vllm-env slurm chromium tiny
 	OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest tests -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder $(PYTEST_ARGS)
 

@@ -37,13 +37,13 @@ import importlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from typing import Optional
 
+from launcher.ports import free_port  # noqa: F401 (also what benchmarks/_common re-exports)
 from launcher_testing import rank_pool
 from launcher_testing.rank_pool import RANK_KEYS, JobFailure, RankPool, failure_message, rank_vars
 
@@ -67,12 +67,6 @@ class RanksFailed(AssertionError):
         self.returncodes = returncodes
         self.outputs = outputs
         self.timed_out = timed_out
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_on_ranks(target: str, nprocs: int, kwargs: dict | None = None, timeout_s: float = 300,

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,12 +20,7 @@ from launcher.contract import Device, ExitCode, RankStart, StageStatus
 from launcher.executors import rank_start
 from launcher.executors.base import CANCELLED, COMPLETED, FAILED, Progress, StagePlan, StageResult
 from launcher.executors.local_zygote import Zygote, ZygoteGone
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from launcher.ports import free_port
 
 
 class LocalExecutor:
