@@ -30,7 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("vocabulary", ("contract", "topology", "formats", "architectures", "paths", "schema", "schema_rules", "hf_config",
-                    "slurm_env")),
+                    "slurm_env", "ports")),
     ("libraries", ("executors", "export", "megatron", "mmlu", "quant", "vllm", "report", "rundir", "hold",
                    "profiling")),
     ("stages", ("stages", "preflight")),
