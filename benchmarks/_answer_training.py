@@ -94,7 +94,6 @@ def train_answers(model, prompts: GatePrompts, steps: int, lr: float, batch_size
     if steps < 1 or batch_size < 1:
         raise ValueError(f"steps and batch_size must be >= 1, got {steps}, {batch_size}")
     device = next(model.parameters()).device
-    names = [n for n, p in model.named_parameters() if trainable(n)]
     params = []
     for n, p in model.named_parameters():
         p.requires_grad_(trainable(n))
@@ -128,6 +127,6 @@ def train_answers(model, prompts: GatePrompts, steps: int, lr: float, batch_size
     model.eval()
     after = evaluate(model, prompts, batch_size, device)
     log(f"[answers] after: accuracy {after['accuracy']:.3f}, median margin {after['median_margin']:.3f}")
-    return {"steps": steps, "lr": lr, "batch_size": batch_size, "seed": seed, "trained_tensors": len(names),
+    return {"steps": steps, "lr": lr, "batch_size": batch_size, "seed": seed, "trained_tensors": len(params),
             "trained_params": sum(p.numel() for p in params), "before": before, "after": after,
             "losses": losses, "seconds": round(time.perf_counter() - t0, 2)}

@@ -40,21 +40,8 @@ def _put_back_torch_set_vars() -> None:
             os.environ[key] = value
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_setup(item):
-    yield
-    _put_back_torch_set_vars()
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_call(item):
-    yield
-    _put_back_torch_set_vars()
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_teardown(item, nextitem):
-    yield
+def pytest_runtest_logreport(report):
+    """After each phase (setup, call, teardown) of a test, as its report is logged."""
     _put_back_torch_set_vars()
 
 

@@ -31,7 +31,6 @@ import ctypes
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -40,6 +39,8 @@ import time
 from typing import Any, Callable, Optional
 
 import pytest
+
+from launcher.ports import free_port
 
 BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "squeue", "scancel", "sinfo")
 SKIP_REASON = ("Slurm binaries not found ({missing}); install them with `sudo scripts/install_slurm.sh` "
@@ -60,12 +61,6 @@ def _which(name: str) -> Optional[str]:
 
 def missing_binaries() -> list[str]:
     return [b for b in BINARIES if _which(b) is None]
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _die_with_parent() -> None:
@@ -132,9 +127,9 @@ class SlurmCluster:
             with open(key, "wb") as f:
                 f.write(os.urandom(1024))
             os.chmod(key, 0o400)
-        ctld_port, d_port = _free_port(), _free_port()
+        ctld_port, d_port = free_port(), free_port()
         while d_port == ctld_port:
-            d_port = _free_port()
+            d_port = free_port()
         lines = self._common_conf_lines(ctld_port, d_port) + self._host_conf_lines()
         with open(self.conf, "w") as f:
             f.write("\n".join(lines) + "\n")

@@ -131,10 +131,10 @@ def run_forked_rank(module: str, *args: str) -> None:
         os._exit(int(code))
 
 
-def end_children(grace_s: float = 5.0) -> list[int]:
+def end_children(grace_s: float = 5.0) -> None:
     """Terminate the multiprocessing children a failing forked rank leaves behind (e.g. dist_checkpointing's
     writers), as multiprocessing's own exit handler would; ``os._exit`` skips it, and a child left running
-    would keep the stage's output pipe open. Returns their pids."""
+    would keep the stage's output pipe open."""
     import multiprocessing
 
     children = multiprocessing.active_children()
@@ -145,4 +145,3 @@ def end_children(grace_s: float = 5.0) -> list[int]:
         if child.is_alive():
             child.kill()
             child.join(grace_s)
-    return [c.pid for c in children]

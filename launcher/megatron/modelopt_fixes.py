@@ -166,14 +166,17 @@ def keeping_extra_state(merge):
     """``GPTModelImporter._gated_mlp_merging`` whose one ``load_state_dict`` keeps the module's own
     ``_extra_state`` where the merged dict lacks it (TE linears without a fused norm)."""
     def _gated_mlp_merging(self, module, *args, **kwargs):
-        own = module.state_dict()
-        if "_extra_state" not in own:
+        import torch
+
+        # torch puts ``_extra_state`` in a module's state dict exactly where its class overrides this
+        if type(module).get_extra_state is torch.nn.Module.get_extra_state:
             return merge(self, module, *args, **kwargs)
+        own = module.get_extra_state()
         load = module.load_state_dict
 
         def load_state_dict(state_dict, *a, **k):
             if "_extra_state" not in state_dict:
-                state_dict = {**state_dict, "_extra_state": own["_extra_state"]}
+                state_dict = {**state_dict, "_extra_state": own}
             return load(state_dict, *a, **k)
 
         module.load_state_dict = load_state_dict    # this call only: the instance attribute goes after

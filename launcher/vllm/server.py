@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import time
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+from launcher.ports import free_port
 from launcher.vllm import client
 from launcher.vllm.probe import vllm_env
 from launcher.vllm.procs import GroupProcess, error_line, log_tail
@@ -33,12 +33,6 @@ class VllmError(RuntimeError):
         super().__init__(f"{message}{detail}" + (f" (log: {log_path})" if log_path else ""))
         self.log_path = log_path
         self.reason = message
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -71,7 +65,7 @@ class VllmServer:
     def start(self) -> "VllmServer":
         """Start the server and wait for /health; raises VllmError (server stopped) on failure."""
         if self.port is None:
-            self.port = free_port(self.host)
+            self.port = free_port()   # below the ephemeral range: launcher/ports.py
         t0 = time.monotonic()
         self.proc = GroupProcess(self.command(), self.log_path, env=vllm_env(self.env, self.device))
         try:
