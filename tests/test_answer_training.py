@@ -67,3 +67,44 @@ def test_a_random_model_learns_the_gates_answers(tiny_dir, gate_prompts):
 def test_bad_training_settings_are_refused(tiny_dir, gate_prompts):
     with pytest.raises(ValueError, match="steps and batch_size must be >= 1, got 0, 8"):
         train_answers(_random_model(tiny_dir), gate_prompts, steps=0, lr=1e-3, batch_size=8)
+
+
+def test_nano_width_trains_its_saved_model_on_the_nano_gates_questions(tmp_path, monkeypatch):
+    """benchmarks/nano_width.py's training step, as its ``nano`` part runs it on the GPU but on CPU and
+    a random tiny NemotronH (Nano's family, bf16 as at Nano width): the questions are the Nano example's
+    gate's at the launch's own fraction, the model saved in place is the trained one (routed experts
+    untouched, bf16 kept)."""
+    import argparse
+
+    import transformers
+    from safetensors.torch import load_file
+
+    from benchmarks import nano_width
+    from launcher_testing.checkpoints import write_tiny_nemotron_h
+
+    mmlu = os.environ.get("PTQ_MMLU_JSONL") or os.path.join(ROOT, "..", "shared", "data", "mmlu", "test.jsonl")
+    if not os.path.exists(mmlu):
+        pytest.skip(f"no MMLU test split at {mmlu}")
+    monkeypatch.setattr(nano_width, "MMLU_JSONL", mmlu)
+    hf = write_tiny_nemotron_h(str(tmp_path / "nano"), pattern="MEM*E")
+    transformers.AutoModelForCausalLM.from_pretrained(hf, torch_dtype=torch.bfloat16).save_pretrained(hf)
+    before = load_file(os.path.join(hf, "model.safetensors"))
+    args = argparse.Namespace(calib_size=8, calib_len=64, fraction=0.002, device="cpu", overrides=[],
+                              train_steps=3, train_lr=1e-3, train_batch=4)
+    launch = nano_width.launch_argv(hf, "MEM*E", {"vocab": 257}, str(tmp_path / "calib.jsonl"),
+                                    str(tmp_path / "runs"), "nano-width-5-trained3", args, [])
+    figures = nano_width.train_saved_model(hf, launch, args)
+
+    from launcher.config.compose import compose_example
+    from launcher.mmlu.prepared import prepare
+
+    cfg = compose_example(os.path.join(ROOT, nano_width.NANO), launch[launch.index(nano_width.NANO) + 1:])
+    asked = len(prepare(cfg.stages.mmlu, transformers.AutoTokenizer.from_pretrained(hf)).prompts)
+    assert asked > 50 and figures["before"]["n"] == figures["after"]["n"] == asked
+    assert len(figures["losses"]) == 3 and figures["trained_params"] > 0
+    after = load_file(os.path.join(hf, "model.safetensors"))
+    assert set(after) == set(before) and all(after[n].dtype == before[n].dtype for n in before)
+    assert after["lm_head.weight"].dtype == torch.bfloat16
+    experts = [n for n in before if not trainable(n)]
+    assert experts and all(torch.equal(after[n], before[n]) for n in experts)
+    assert any(not torch.equal(after[n], before[n]) for n in before if trainable(n))
