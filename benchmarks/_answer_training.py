@@ -9,8 +9,9 @@ gate asks: the loss is the cross-entropy of the four choice logits at each promp
 (what the gate argmaxes) against the answer, on the exact prompts and token ids the gate builds
 (``launcher.mmlu.prepared.prepare`` of the run's own ``stages.mmlu`` config).
 
-Every parameter but the routed experts' is trained (AdamW, bf16 like the model; the experts hold
-2.55 of the 3.51 B parameters of ``MEM*E`` and stay random, which keeps the optimizer's state small).
+Every parameter but the routed experts' is trained (AdamW in the model's dtype: the caller loads it in
+float32 to train, as nano_width.py does; the experts hold 2.55 of the 3.51 B parameters of ``MEM*E``
+and stay random, which keeps the optimizer's state small).
 Right padding: causal layers (attention and Mamba-2 alike) never let a later pad reach a real token,
 so the logits at each prompt's last real position are those of the prompt alone.
 
@@ -71,18 +72,23 @@ def evaluate(model, prompts: GatePrompts, batch_size: int, device) -> dict:
 
     was_training = model.training
     model.eval()
-    correct, margins = 0, []
+    correct, margins, chosen = 0, [], [0, 0, 0, 0]
     with torch.no_grad():
         for start in range(0, len(prompts.answers), batch_size):
             rows = list(range(start, min(start + batch_size, len(prompts.answers))))
             scores = choice_logits(model, prompts, rows, device).float()
             top2 = scores.topk(2, dim=1).values
             margins += (top2[:, 0] - top2[:, 1]).tolist()
-            correct += int((scores.argmax(1).cpu() == torch.tensor([prompts.answers[i] for i in rows])).sum())
+            picks = scores.argmax(1).cpu()
+            correct += int((picks == torch.tensor([prompts.answers[i] for i in rows])).sum())
+            for c in picks.tolist():
+                chosen[c] += 1
     model.train(was_training)
     margins.sort()
+    # ``chosen``: how often each choice is the argmax; a model that learned one letter instead of the
+    # answers is decisive too, but its agreement with any other implementation says little
     return {"accuracy": correct / len(prompts.answers), "n": len(prompts.answers),
-            "median_margin": margins[len(margins) // 2]}
+            "median_margin": margins[len(margins) // 2], "chosen": chosen}
 
 
 def train_answers(model, prompts: GatePrompts, steps: int, lr: float, batch_size: int, seed: int = 0,
@@ -126,7 +132,8 @@ def train_answers(model, prompts: GatePrompts, steps: int, lr: float, batch_size
     del opt
     model.eval()
     after = evaluate(model, prompts, batch_size, device)
-    log(f"[answers] after: accuracy {after['accuracy']:.3f}, median margin {after['median_margin']:.3f}")
+    log(f"[answers] after: accuracy {after['accuracy']:.3f}, median margin {after['median_margin']:.3f}, "
+        f"argmax counts A-D {after['chosen']}")
     return {"steps": steps, "lr": lr, "batch_size": batch_size, "seed": seed, "trained_tensors": len(params),
             "trained_params": sum(p.numel() for p in params), "before": before, "after": after,
             "losses": losses, "seconds": round(time.perf_counter() - t0, 2)}

@@ -162,8 +162,14 @@ def train_saved_model(hf: str, launch: list[str], args) -> dict:
     cfg = compose_example(os.path.join(REPO_ROOT, NANO), launch[launch.index(NANO) + 1:])
     tokenizer = transformers.AutoTokenizer.from_pretrained(hf)
     prompts = prompts_for(cfg.stages.mmlu, tokenizer)
-    model = transformers.NemotronHForCausalLM.from_pretrained(hf, torch_dtype=torch.bfloat16, device_map=args.device)
+    # float32 master weights: an AdamW step is ~lr, under a bf16 weight's spacing (2^-13 near the init's
+    # 0.02) for lr <= 1e-4; trained in bf16 at batch 1, lr 5e-4, the model learned one letter for all
+    # 168 questions (an H100, 2026-12-07: argmax C everywhere). Saved in bf16 again (the buffers, such
+    # as the router's fp32 score-correction bias, stay as they were loaded).
+    model = transformers.NemotronHForCausalLM.from_pretrained(hf, dtype=torch.float32, device_map=args.device)
     figures = train_answers(model, prompts, args.train_steps, args.train_lr, args.train_batch, log=log)
+    for p in model.parameters():
+        p.data = p.data.to(torch.bfloat16)
     t = time.perf_counter()
     model.save_pretrained(hf, max_shard_size="2GB")
     figures["save_s"] = round(time.perf_counter() - t, 2)
@@ -443,8 +449,10 @@ def main(argv=None) -> int:
                     "profile summary goes into the report (default export: where the writer's time goes; '' for none)")
     ap.add_argument("--train-steps", type=int, default=0, help="train the random model on the gate's own "
                     "questions for this many steps before the launch (0: random; benchmarks/_answer_training.py)")
-    ap.add_argument("--train-lr", type=float, default=1e-3)
-    ap.add_argument("--train-batch", type=int, default=8)
+    ap.add_argument("--train-lr", type=float, default=2e-4)
+    ap.add_argument("--train-batch", type=int, default=4, help="prompts per step (8 ran out of the H100's "
+                    "80 GB in bf16: transformers' reference Mamba-2 scan without mamba_ssm's CUDA extension "
+                    "materialises chunk x chunk x heads x state per sequence)")
     ap.add_argument("overrides", nargs="*", help="extra launch overrides")
     args = ap.parse_args(argv)
     card = read_card()
