@@ -19,7 +19,7 @@ Module names are exactly those of Megatron's own specs (``mixer.in_proj``, ``nor
 ``self_attention.linear_qkv``, ``mlp.experts.local_experts.N.linear_fc1``, ``decoder.final_norm``)
 so ModelOpt's NemotronH import/export mappings (``mcore_nemotron.py``) apply unchanged.
 ``use_te=True`` (ModelOpt's own TE spec) is refused with ``models.TE_SPEC_REFUSAL``: no TE-spec model
-has completed the gate in this project; the builder always passes False, TE installed or not.
+has gone through the stages in this project; the builder always passes False, TE installed or not.
 
 The Mamba mixer's keyword arguments that config.json determines (``d_conv``, ``chunk_size``) are
 passed as spec params; Megatron's defaults (4, 128) are Nano's values.

@@ -53,7 +53,9 @@ the module also has a fused LayerNorm weight.  Under Megatron's TE layer spec th
 "_extra_state"" (the H100 TE trial, benchmarks/results/2026-12-07-h100-all-c4aa2e6.json, call 8).  The fix
 gives that one load the module's own ``_extra_state`` when the importer's dict lacks it; a module
 without extra state (the local spec's linears) loads exactly as before.
-``tests/test_modelopt_fixes.py`` runs ModelOpt's own merge on a module with extra state both ways.
+``tests/test_modelopt_fixes.py`` runs ModelOpt's own merge on a module with extra state both ways; on an
+H100 the TE-spec models then imported and gave the local spec's predictions (scripts/te_trial.py,
+benchmarks/results/2026-12-07-h100-te-trial-nano-trained-c8af8cc.json).
 """
 from __future__ import annotations
 

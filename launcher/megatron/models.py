@@ -42,15 +42,16 @@ def resolve_dtype(dtype: "str | torch.dtype", device: str) -> "torch.dtype":
 
 
 # Why the launcher's stages never take TransformerEngine's layer specs, even where TE is installed (an
-# NGC container): no TE-spec model has completed the gate here.  On an H100 (2026-12-07, README
-# "TransformerEngine") TE 2.20.2 built on the host (transformer_engine_torch is an sdist only) and
-# imported, and the trial's TE-spec models then failed in ModelOpt 0.47's HF import (a TE expert fc1's
-# _extra_state dropped: ``modelopt_fixes.te_gated_mlp_extra_state`` now keeps it, tested on CPU, not
-# yet on a GPU).  Megatron's own local modules run everywhere and are tested.
-TE_SPEC_REFUSAL = ("TransformerEngine layer specs are not supported by this launcher: no TE-spec model has "
-                   "completed the gate here (TE 2.20.2 built and imported on an H100; the TE-spec model "
-                   "failed in ModelOpt's HF import, a bug now patched but not yet rerun on a GPU; README, "
-                   "'TransformerEngine'); the local Megatron spec is used on every machine")
+# NGC container): no TE-spec model has gone through the stages (gate, export, verification) here.  What
+# was measured (an H100, 2026-12-07, README "TransformerEngine"): TE 2.20.2 built on the host
+# (transformer_engine_torch is an sdist only) and imported; with ``modelopt_fixes.te_gated_mlp_extra_state``
+# (ModelOpt 0.47's HF import dropped a TE expert fc1's _extra_state) the TE-spec tiny Qwen3-MoE gave the
+# local spec's 320 predictions exactly, unquantized, NVFP4 and FP8 (scripts/te_trial.py).  The export
+# of a TE-spec model was not tried.  Megatron's own local modules run everywhere and are tested.
+TE_SPEC_REFUSAL = ("TransformerEngine layer specs are not supported by this launcher's stages: no TE-spec model "
+                   "has completed the gate here (on an H100 the TE-spec tiny Qwen3-MoE gave the local spec's "
+                   "predictions, unquantized, NVFP4 and FP8, in scripts/te_trial.py; its export was not tried; "
+                   "README, 'TransformerEngine'); the local Megatron spec is used on every machine")
 # ``build_model(layer_spec=...)``: "local" everywhere; "te" (Megatron's TransformerEngine spec, GPT
 # architectures on CUDA where transformer_engine imports) only for scripts/te_trial.py, the GPU trial
 # that compares it with the local spec.  No config key reaches it: the launcher's stages stay local.
