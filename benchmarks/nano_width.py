@@ -348,9 +348,15 @@ def serve_with_vllm(base: list[str], run: str, args) -> dict:
     return served
 
 
+def trained_suffix(args) -> str:
+    """What names a trained model's folder and job (``-trained300x4-lr0.0002``; "" untrained): a model
+    trained otherwise is another model, so a later call on the host never reuses it in its place."""
+    return f"-trained{args.train_steps}x{args.train_batch}-lr{args.train_lr:g}" if args.train_steps else ""
+
+
 def run_pattern(spec: str, card: dict, work: str, args) -> dict:
     pattern = resolve_pattern(spec, card["hybrid_override_pattern"])
-    trained = f"-trained{args.train_steps}" if args.train_steps else ""   # a trained model is another model
+    trained = trained_suffix(args)
     hf = os.path.join(work, f"nano-{len(pattern)}{trained}")
     runs_root = os.path.join(work, "runs")
     job = f"nano-width-{len(pattern)}{trained}"

@@ -123,3 +123,16 @@ def test_a_pattern_that_would_fill_the_disk_is_refused_with_the_numbers(tmp_path
                                    "37.9 GB (2.5x its 15.2 GB bf16 checkpoint: the source, quantize's checkpoint, "
                                    "the export)")
     assert nw.check_disk(str(tmp_path), params, free=38 * 10**9) == 37_900_000_000
+
+
+def test_a_model_trained_otherwise_is_named_otherwise():
+    """The folder and job of a trained model name its steps, batch and rate: a later call on the host that
+    trains with other settings builds its own model instead of reusing a run of another one."""
+    import argparse
+
+    def suffix(steps, batch=4, lr=2e-4):
+        return nw.trained_suffix(argparse.Namespace(train_steps=steps, train_batch=batch, train_lr=lr))
+
+    assert suffix(0) == ""
+    assert suffix(300) == "-trained300x4-lr0.0002"
+    assert len({suffix(300), suffix(300, batch=1), suffix(300, lr=5e-4), suffix(200)}) == 4
