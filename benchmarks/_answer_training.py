@@ -62,8 +62,14 @@ def choice_logits(model, prompts: GatePrompts, rows: list, device):
     import torch
 
     ids, last, _ = _batch(prompts, rows, device)
-    logits = model(input_ids=ids).logits
-    return logits[torch.arange(len(rows), device=device), last][:, torch.tensor(prompts.choice_ids, device=device)]
+    # the base model's last hidden state (after its final norm) times the output embedding's four choice
+    # rows: the full logits' choice columns, without a [batch, length, vocabulary] tensor (151,680
+    # columns at Nano width, 1.2 GB per 4 prompts of 500 tokens in float32, and its gradient)
+    hidden = model.base_model(input_ids=ids).last_hidden_state
+    head = model.get_output_embeddings()
+    assert getattr(head, "bias", None) is None, "choice_logits assumes an output embedding without bias"
+    rows_of_choices = head.weight[torch.tensor(prompts.choice_ids, device=device)]
+    return hidden[torch.arange(len(rows), device=device), last] @ rows_of_choices.T
 
 
 def evaluate(model, prompts: GatePrompts, batch_size: int, device) -> dict:
@@ -92,13 +98,20 @@ def evaluate(model, prompts: GatePrompts, batch_size: int, device) -> dict:
 
 
 def train_answers(model, prompts: GatePrompts, steps: int, lr: float, batch_size: int, seed: int = 0,
-                  log=print) -> dict:
+                  log=print, until_accuracy: float | None = None, check_every: int = 50) -> dict:
     """Train ``model`` in place for ``steps`` AdamW steps of ``batch_size`` prompts (shuffled epochs,
-    ``seed``); returns the figures before and after, the loss every step and the seconds."""
+    ``seed``); returns the figures before and after, the loss every step and the seconds.
+
+    With ``until_accuracy``, the model is evaluated on every prompt each ``check_every`` steps and the
+    training stops at the first check whose accuracy reaches it (``steps`` is then the most it runs);
+    ``checks`` lists each check's step and figures, ``steps_run`` the steps taken."""
     import torch
 
-    if steps < 1 or batch_size < 1:
-        raise ValueError(f"steps and batch_size must be >= 1, got {steps}, {batch_size}")
+    if steps < 1 or batch_size < 1 or check_every < 1:
+        raise ValueError(f"steps, batch_size and check_every must be >= 1, got {steps}, {batch_size}, "
+                         f"{check_every}")
+    if until_accuracy is not None and not 0.0 < until_accuracy <= 1.0:
+        raise ValueError(f"until_accuracy must be in (0, 1], got {until_accuracy}")
     device = next(model.parameters()).device
     params = []
     for n, p in model.named_parameters():
@@ -110,7 +123,7 @@ def train_answers(model, prompts: GatePrompts, steps: int, lr: float, batch_size
     log(f"[answers] before: accuracy {before['accuracy']:.3f} on {before['n']}, median margin "
         f"{before['median_margin']:.3f}; training {sum(p.numel() for p in params) / 1e9:.2f} B parameters")
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    order, losses = random.Random(seed), []
+    order, losses, checks = random.Random(seed), [], []
     queue: list = []
     model.train()
     for step in range(steps):
@@ -127,6 +140,13 @@ def train_answers(model, prompts: GatePrompts, steps: int, lr: float, batch_size
         losses.append(round(float(loss.detach()), 4))
         if step % 10 == 0 or step == steps - 1:
             log(f"[answers] step {step + 1}/{steps}: loss {losses[-1]:.4f}")
+        if until_accuracy is not None and (step + 1) % check_every == 0 and step + 1 < steps:
+            check = {"step": step + 1, **evaluate(model, prompts, batch_size, device)}
+            checks.append(check)
+            log(f"[answers] check at step {step + 1}: accuracy {check['accuracy']:.3f}, median margin "
+                f"{check['median_margin']:.3f}, argmax counts A-D {check['chosen']}")
+            if check["accuracy"] >= until_accuracy:
+                break
     for p in model.parameters():
         p.requires_grad_(False)
     del opt
@@ -134,6 +154,7 @@ def train_answers(model, prompts: GatePrompts, steps: int, lr: float, batch_size
     after = evaluate(model, prompts, batch_size, device)
     log(f"[answers] after: accuracy {after['accuracy']:.3f}, median margin {after['median_margin']:.3f}, "
         f"argmax counts A-D {after['chosen']}")
-    return {"steps": steps, "lr": lr, "batch_size": batch_size, "seed": seed, "trained_tensors": len(params),
+    return {"steps": steps, "steps_run": len(losses), "lr": lr, "batch_size": batch_size, "seed": seed,
+            "until_accuracy": until_accuracy, "trained_tensors": len(params),
             "trained_params": sum(p.numel() for p in params), "before": before, "after": after,
-            "losses": losses, "seconds": round(time.perf_counter() - t0, 2)}
+            "checks": checks, "losses": losses, "seconds": round(time.perf_counter() - t0, 2)}

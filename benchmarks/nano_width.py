@@ -167,7 +167,8 @@ def train_saved_model(hf: str, launch: list[str], args) -> dict:
     # 168 questions (an H100, 2026-12-07: argmax C everywhere). Saved in bf16 again (the buffers, such
     # as the router's fp32 score-correction bias, stay as they were loaded).
     model = transformers.NemotronHForCausalLM.from_pretrained(hf, dtype=torch.float32, device_map=args.device)
-    figures = train_answers(model, prompts, args.train_steps, args.train_lr, args.train_batch, log=log)
+    figures = train_answers(model, prompts, args.train_steps, args.train_lr, args.train_batch, log=log,
+                            until_accuracy=args.train_until or None)
     for p in model.parameters():
         p.data = p.data.to(torch.bfloat16)
     t = time.perf_counter()
@@ -349,9 +350,23 @@ def serve_with_vllm(base: list[str], run: str, args) -> dict:
 
 
 def trained_suffix(args) -> str:
-    """What names a trained model's folder and job (``-trained300x4-lr0.0002``; "" untrained): a model
-    trained otherwise is another model, so a later call on the host never reuses it in its place."""
-    return f"-trained{args.train_steps}x{args.train_batch}-lr{args.train_lr:g}" if args.train_steps else ""
+    """What names a trained model's folder and job (``-trained300x4-lr0.0002-until0.9``; "" untrained): a
+    model trained otherwise is another model, so a later call on the host never reuses it in its place."""
+    if not args.train_steps:
+        return ""
+    until = f"-until{args.train_until:g}" if args.train_until else ""
+    return f"-trained{args.train_steps}x{args.train_batch}-lr{args.train_lr:g}{until}"
+
+
+def ready_model(model_json: str, args) -> dict | None:
+    """The figures of a model an earlier call on this host built (and, when ``args.train_steps``, trained
+    and saved again) whose launch did not complete, so that a call cut off by its time limit loses only
+    the launch; None where there is none, or where its training did not finish (it is built again)."""
+    if not os.path.exists(model_json):
+        return None
+    with open(model_json) as f:
+        model = json.load(f)
+    return model if not args.train_steps or "answers" in model else None
 
 
 def run_pattern(spec: str, card: dict, work: str, args) -> dict:
@@ -374,19 +389,23 @@ def run_pattern(spec: str, card: dict, work: str, args) -> dict:
                  "stages": read_stage_figures(earlier)}
         entry.update(derived(entry["stages"], model))
     else:
-        log(f"pattern {pattern}: building the model in {hf}")
-        try:
-            model = build_model(hf, card, pattern, args.device)
-        except NotEnoughDisk as e:
-            log(f"  refused: {e}")
-            return {"spec": spec, "model": {"pattern": pattern, "params": {"total": 0}}, "exit": "no disk",
-                    "error": str(e)}
-        write_json(model_json, model)
-        log(f"  {model['params']['total'] / 1e9:.2f} B parameters, {model['bytes_bf16'] / 1e9:.1f} GB, "
-            f"built {model['build_s']:.1f} s, saved {model['save_s']:.1f} s")
+        model = ready_model(model_json, args)
+        if model:                                  # built (and trained) by an earlier call cut off in its launch
+            log(f"pattern {pattern}: reusing the model in {hf}" + (" (trained)" if args.train_steps else ""))
+        else:
+            log(f"pattern {pattern}: building the model in {hf}")
+            try:
+                model = build_model(hf, card, pattern, args.device)
+            except NotEnoughDisk as e:
+                log(f"  refused: {e}")
+                return {"spec": spec, "model": {"pattern": pattern, "params": {"total": 0}}, "exit": "no disk",
+                        "error": str(e)}
+            write_json(model_json, model)
+            log(f"  {model['params']['total'] / 1e9:.2f} B parameters, {model['bytes_bf16'] / 1e9:.1f} GB, "
+                f"built {model['build_s']:.1f} s, saved {model['save_s']:.1f} s")
         write_calibration(calib, args.calib_size)
         base = launch_argv(hf, pattern, model, calib, runs_root, job, args, ["stages.vllm_smoke.enabled=false"])
-        if args.train_steps:
+        if args.train_steps and "answers" not in model:
             model["answers"] = train_saved_model(hf, base, args)
             write_json(model_json, model)
         write_json(launch_json, base)
@@ -459,15 +478,17 @@ def main(argv=None) -> int:
     ap.add_argument("--train-batch", type=int, default=4, help="prompts per step (8 ran out of the H100's "
                     "80 GB in bf16: transformers' reference Mamba-2 scan without mamba_ssm's CUDA extension "
                     "materialises chunk x chunk x heads x state per sequence)")
+    ap.add_argument("--train-until", type=float, default=0.9, help="stop training at the first check (every "
+                    "50 steps) whose accuracy on the gate's questions reaches this (0: run every --train-steps)")
     ap.add_argument("overrides", nargs="*", help="extra launch overrides")
     args = ap.parse_args(argv)
     card = read_card()
     specs = args.patterns.split(",")
     for s in specs:                          # refuse a bad spec before building anything
         resolve_pattern(s, card["hybrid_override_pattern"])
-    if args.train_steps < 0 or args.train_batch < 1 or args.train_lr <= 0:
-        ap.error(f"--train-steps {args.train_steps} must be >= 0, --train-batch {args.train_batch} >= 1 and "
-                 f"--train-lr {args.train_lr} > 0")
+    if args.train_steps < 0 or args.train_batch < 1 or args.train_lr <= 0 or not 0 <= args.train_until <= 1:
+        ap.error(f"--train-steps {args.train_steps} must be >= 0, --train-batch {args.train_batch} >= 1, "
+                 f"--train-lr {args.train_lr} > 0 and --train-until {args.train_until} in [0, 1]")
     doc = {"benchmark": "nano_width", "card": os.path.relpath(CARD, REPO_ROOT), "args": vars(args), "results": []}
     work = args.work or tempfile.mkdtemp(prefix="bench-nano-")
     os.makedirs(work, exist_ok=True)

@@ -61,7 +61,8 @@
 #                e.g. quantize,export) (needs .bench/qwen-tokenizer and .bench/mmlu); models and runs
 #                stay in /tmp/nano-work for a later call on this host; NANO_TRAIN_STEPS=N first trains the
 #                random model N steps on the gate's own questions (decisive choices for the vLLM smoke;
-#                NANO_TRAIN_BATCH and NANO_TRAIN_LR: nano_width.py's --train-batch, --train-lr)
+#                NANO_TRAIN_BATCH, NANO_TRAIN_LR, NANO_TRAIN_UNTIL: nano_width.py's --train-batch,
+#                --train-lr, --train-until: stop once that accuracy is reached, checked every 50 steps)
 #   nano-vllm    the same (a pattern whose run completed in /tmp/nano-work is reused, not rerun), then
 #                the vLLM smoke on each export (offline mode; needs vllm-install first), with vLLM's own
 #                kernels and with its NVFP4 emulation ($NANO_VLLM_KERNELS, default auto,emulation): each
@@ -324,7 +325,7 @@ run_part() {
                                                         --vllm-kernels "${NANO_VLLM_KERNELS:-auto,emulation}")
       timeout "${NANO_TIMEOUT_S:-560}" python3 benchmarks/nano_width.py --out "$out/$part.json" --work /tmp/nano-work \
         --patterns "${NANO_PATTERNS:-MEM*E}" ${NANO_TRAIN_STEPS:+--train-steps $NANO_TRAIN_STEPS} \
-        ${NANO_TRAIN_BATCH:+--train-batch $NANO_TRAIN_BATCH} ${NANO_TRAIN_LR:+--train-lr $NANO_TRAIN_LR} --timeout "$(( ${NANO_TIMEOUT_S:-560} - 30 ))" --profile "${NANO_PROFILE:-export}" \
+        ${NANO_TRAIN_BATCH:+--train-batch $NANO_TRAIN_BATCH} ${NANO_TRAIN_LR:+--train-lr $NANO_TRAIN_LR} ${NANO_TRAIN_UNTIL:+--train-until $NANO_TRAIN_UNTIL} --timeout "$(( ${NANO_TIMEOUT_S:-560} - 30 ))" --profile "${NANO_PROFILE:-export}" \
         "${vllm_arg[@]}" 2>&1 | tee "$out/$part.log"
       rc=$?
       # vLLM's own log and the responses of each served export (nano_width.py's JSON keeps only the

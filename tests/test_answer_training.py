@@ -65,9 +65,24 @@ def test_a_random_model_learns_the_gates_answers(tiny_dir, gate_prompts):
     assert again["losses"] == figures["losses"][:5]
 
 
+def test_training_stops_at_the_first_check_that_reaches_the_accuracy(tiny_dir, gate_prompts):
+    """``until_accuracy``: evaluated every ``check_every`` steps, stopped at the first check that reaches
+    it; ``steps`` is only the most it may run, and the figures after are the last check's."""
+    figures = train_answers(_random_model(tiny_dir), gate_prompts, steps=200, lr=1e-3, batch_size=8, seed=0,
+                            log=lambda _m: None, until_accuracy=1.0, check_every=10)
+    checks = figures["checks"]
+    assert checks and [c["step"] for c in checks] == list(range(10, 10 * len(checks) + 1, 10))
+    assert checks[-1]["accuracy"] == 1.0 and all(c["accuracy"] < 1.0 for c in checks[:-1]), checks
+    assert figures["steps_run"] == len(figures["losses"]) == checks[-1]["step"] < 200
+    assert figures["after"] == {k: checks[-1][k] for k in figures["after"]}
+    assert sum(checks[-1]["chosen"]) == len(gate_prompts.answers)
+
+
 def test_bad_training_settings_are_refused(tiny_dir, gate_prompts):
-    with pytest.raises(ValueError, match="steps and batch_size must be >= 1, got 0, 8"):
+    with pytest.raises(ValueError, match="steps, batch_size and check_every must be >= 1, got 0, 8, 50"):
         train_answers(_random_model(tiny_dir), gate_prompts, steps=0, lr=1e-3, batch_size=8)
+    with pytest.raises(ValueError, match=r"until_accuracy must be in \(0, 1\], got 1.5"):
+        train_answers(_random_model(tiny_dir), gate_prompts, steps=5, lr=1e-3, batch_size=8, until_accuracy=1.5)
 
 
 def test_nano_width_trains_its_saved_model_on_the_nano_gates_questions(tmp_path, monkeypatch):
@@ -99,7 +114,7 @@ def test_nano_width_trains_its_saved_model_on_the_nano_gates_questions(tmp_path,
     transformers.AutoModelForCausalLM.from_pretrained(hf, torch_dtype=torch.bfloat16).save_pretrained(hf)
     before = load_file(os.path.join(hf, "model.safetensors"))
     args = argparse.Namespace(calib_size=8, calib_len=64, fraction=0.002, device="cpu", overrides=[],
-                              train_steps=3, train_lr=2e-4, train_batch=8)
+                              train_steps=3, train_lr=2e-4, train_batch=8, train_until=0.0)
     launch = nano_width.launch_argv(hf, "MEM*E", {"vocab": 257}, str(tmp_path / "calib.jsonl"),
                                     str(tmp_path / "runs"), "nano-width-5-trained3", args, [])
     figures = nano_width.train_saved_model(hf, launch, args)

@@ -1,6 +1,7 @@
 """benchmarks/nano_width.py's model: widths read from the Nano card (not copied), the pattern cut
 as asked, and the parameter counts the report's throughput and MFU are computed from."""
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -130,9 +131,28 @@ def test_a_model_trained_otherwise_is_named_otherwise():
     trains with other settings builds its own model instead of reusing a run of another one."""
     import argparse
 
-    def suffix(steps, batch=4, lr=2e-4):
-        return nw.trained_suffix(argparse.Namespace(train_steps=steps, train_batch=batch, train_lr=lr))
+    def suffix(steps, batch=4, lr=2e-4, until=0.9):
+        return nw.trained_suffix(argparse.Namespace(train_steps=steps, train_batch=batch, train_lr=lr,
+                                                    train_until=until))
 
     assert suffix(0) == ""
-    assert suffix(300) == "-trained300x4-lr0.0002"
-    assert len({suffix(300), suffix(300, batch=1), suffix(300, lr=5e-4), suffix(200)}) == 4
+    assert suffix(300) == "-trained300x4-lr0.0002-until0.9"
+    assert suffix(300, until=0) == "-trained300x4-lr0.0002"
+    assert len({suffix(300), suffix(300, batch=1), suffix(300, lr=5e-4), suffix(200), suffix(300, until=0.5),
+                suffix(300, until=0)}) == 6
+
+
+def test_a_model_built_and_trained_by_a_call_cut_off_in_its_launch_is_reused(tmp_path):
+    """A call whose launch ran out of time leaves its built (and trained) model: the next call on the host
+    launches it again instead of building and training anew; a model whose training did not finish
+    (no ``answers`` written) is built again."""
+    import argparse
+
+    model_json = tmp_path / "nano_width_model.json"
+    trained, untrained = (argparse.Namespace(train_steps=n) for n in (300, 0))
+    assert nw.ready_model(str(model_json), trained) is None and nw.ready_model(str(model_json), untrained) is None
+    model_json.write_text(json.dumps({"pattern": "MEM*E", "vocab": 151680}))
+    assert nw.ready_model(str(model_json), trained) is None
+    assert nw.ready_model(str(model_json), untrained) == {"pattern": "MEM*E", "vocab": 151680}
+    model_json.write_text(json.dumps({"pattern": "MEM*E", "answers": {"steps_run": 150}}))
+    assert nw.ready_model(str(model_json), trained)["answers"] == {"steps_run": 150}
