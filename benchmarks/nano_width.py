@@ -167,6 +167,7 @@ def train_saved_model(hf: str, launch: list[str], args) -> dict:
     # 168 questions (an H100, 2026-12-07: argmax C everywhere). Saved in bf16 again (the buffers, such
     # as the router's fp32 score-correction bias, stay as they were loaded).
     model = transformers.NemotronHForCausalLM.from_pretrained(hf, dtype=torch.float32, device_map=args.device)
+    torch.backends.cuda.matmul.allow_tf32 = True    # the training's float32 matmuls on tensor cores
     figures = train_answers(model, prompts, args.train_steps, args.train_lr, args.train_batch, log=log,
                             until_accuracy=args.train_until or None)
     for p in model.parameters():
