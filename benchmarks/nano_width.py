@@ -340,9 +340,17 @@ def serve_with_vllm(base: list[str], run: str, args) -> dict:
             if os.path.exists(path) and _stat(path) != before[name]:
                 with open(path) as f:
                     doc = json.load(f)
-                out[name.split(".")[0]] = {k: doc.get(k) for k in (
+                stem = name.split(".")[0]
+                out[stem] = {k: doc.get(k) for k in (
                     "passed", "failure", "failures", "agreement", "accuracy", "gate_accuracy", "vllm_error",
                     "kernels", "timings", "capability", "reason", "criteria")}
+                if isinstance(doc.get("choices"), dict):    # the comparison with the gate, less its questions
+                    out[stem]["choices"] = {k: v for k, v in doc["choices"].items() if k != "questions"}
+                # kept per kind: the next kind's launch writes the same files again
+                shutil.copy(path, os.path.join(run, "vllm_smoke", f"{stem}-{kind}.json"))
+                engine_log = os.path.join(run, "vllm_smoke", "log.txt")
+                if os.path.exists(engine_log):
+                    shutil.copy(engine_log, os.path.join(run, "vllm_smoke", f"log-{kind}.txt"))
         if p.returncode != 0:
             out["error_tail"] = p.stdout[-2000:] + "\n" + p.stderr[-3000:]
         log(f"  vLLM ({kind}): exit {p.returncode}, agreement {(out.get('responses') or {}).get('agreement')}")

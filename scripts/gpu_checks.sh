@@ -336,6 +336,9 @@ run_part() {
           job=$(basename "$(dirname "$(dirname "$s")")")
           cp "$s/log.txt" "$out/$job-vllm-engine.log" 2>/dev/null
           cp "$s/responses.json" "$out/$job-vllm-responses.json" 2>/dev/null
+          for f in "$s"/responses-*.json "$s"/log-*.txt; do    # each --vllm-kernels choice's own
+            [ -f "$f" ] && cp "$f" "$out/$job-vllm-$(basename "$f")"
+          done
         done
       fi
       (exit $rc) ;;

@@ -156,3 +156,36 @@ def test_a_model_built_and_trained_by_a_call_cut_off_in_its_launch_is_reused(tmp
     assert nw.ready_model(str(model_json), untrained) == {"pattern": "MEM*E", "vocab": 151680}
     model_json.write_text(json.dumps({"pattern": "MEM*E", "answers": {"steps_run": 150}}))
     assert nw.ready_model(str(model_json), trained)["answers"] == {"steps_run": 150}
+
+
+def test_each_kernel_choice_keeps_its_own_verdict_and_files(tmp_path, monkeypatch):
+    """serve_with_vllm serves the export once per --vllm-kernels choice, each a launch --resume that writes
+    vllm_smoke/responses.json and log.txt again: each choice's comparison with the gate (less its
+    per-question list) is in the report, and its files are kept under its own name (the run of
+    2026-12-07 lost emulation's score differences to auto's, which came second). The launches are
+    injected: each writes what the smoke writes."""
+    import argparse
+    import subprocess
+
+    run = tmp_path / "run"
+    (run / "vllm_smoke").mkdir(parents=True)
+    diffs = {"emulation": 0.01, "auto": 0.13}
+
+    def fake_launch(cmd, timeout, env=None):
+        kind = next(a.split("=", 1)[1] for a in cmd if a.startswith("stages.vllm_smoke.nvfp4_kernels="))
+        choices = {"agreement": 1.0, "median_score_diff": diffs[kind], "questions": [{"id": "q1"}]}
+        (run / "vllm_smoke" / "responses.json").write_text(json.dumps(
+            {"passed": True, "agreement": 1.0, "kernels": {"family": kind}, "choices": choices}))
+        (run / "vllm_smoke" / "log.txt").write_text(f"engine log of {kind}\n")
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(nw, "run_launch", fake_launch)
+    args = argparse.Namespace(vllm="/opt/vllm/bin/python", vllm_kernels="emulation,auto", timeout=60)
+    served = nw.serve_with_vllm(["python", "-m", "launcher.cli", nw.NANO], str(run), args)
+    assert list(served) == ["emulation", "auto"]
+    for kind, diff in diffs.items():
+        assert served[kind]["exit"] == 0 and served[kind]["responses"]["kernels"] == {"family": kind}
+        assert served[kind]["responses"]["choices"] == {"agreement": 1.0, "median_score_diff": diff}
+        kept = json.loads((run / "vllm_smoke" / f"responses-{kind}.json").read_text())
+        assert kept["choices"]["median_score_diff"] == diff and kept["choices"]["questions"] == [{"id": "q1"}]
+        assert (run / "vllm_smoke" / f"log-{kind}.txt").read_text() == f"engine log of {kind}\n"
