@@ -303,12 +303,13 @@ def recorded_launch(path: str, fresh: list[str]) -> list[str]:
         return fresh
 
 
-def smoke_argv(base: list[str], python: str, run: str, nvfp4_kernels: str = "auto") -> list[str]:
-    """The pipeline's ``launch`` argv with the vLLM smoke enabled (offline, ``python`` as vLLM's
-    interpreter, failing where vLLM refuses, no accuracy floor: a random model, NVFP4 served by
-    ``nvfp4_kernels``) resuming ``run``: the other stages' manifests still match, so only the smoke runs."""
+def smoke_argv(base: list[str], python: str, run: str, nvfp4_kernels: str = "auto",
+               mode: str = "offline") -> list[str]:
+    """The pipeline's ``launch`` argv with the vLLM smoke enabled (``mode``: offline or server, ``python``
+    as vLLM's interpreter, failing where vLLM refuses, no accuracy floor: a random model, NVFP4 served
+    by ``nvfp4_kernels``) resuming ``run``: the other stages' manifests still match, so only the smoke runs."""
     smoke = ["stages.vllm_smoke.enabled=true", f"stages.vllm_smoke.python={python}",
-             "stages.vllm_smoke.on_unsupported=fail", "stages.vllm_smoke.mode=offline",
+             "stages.vllm_smoke.on_unsupported=fail", f"stages.vllm_smoke.mode={mode}",
              "stages.vllm_smoke.min_accuracy=0.0", f"stages.vllm_smoke.nvfp4_kernels={nvfp4_kernels}"]
     return [a for a in base if not a.startswith("stages.vllm_smoke.enabled=")] + smoke + ["--resume", run]
 
@@ -324,10 +325,13 @@ def _stat(path: str) -> tuple | None:
 def serve_with_vllm(base: list[str], run: str, args) -> dict:
     """The vLLM smoke (offline mode, ``--vllm`` interpreter) on the run's export, by ``launch --resume``,
     once per ``--vllm-kernels`` choice (vLLM's own, and its NVFP4 emulation: the export at its own
-    precision): each one's verdict, or vLLM's own error when it does not serve the export."""
+    precision), in each ``--vllm-modes`` mode: each one's verdict, or vLLM's own error when it does not
+    serve the export. Keys: the kernels choice (offline), ``auto-server`` (server mode)."""
     served = {}
-    for kind in args.vllm_kernels.split(","):
-        cmd = smoke_argv(base, args.vllm, run, kind)
+    modes = getattr(args, "vllm_modes", "offline").split(",")
+    for mode, kernels in ((m, k) for m in modes for k in args.vllm_kernels.split(",")):
+        kind = kernels if mode == "offline" else f"{kernels}-{mode}"
+        cmd = smoke_argv(base, args.vllm, run, kernels, mode)
         log(f"  vLLM ({kind}): " + " ".join(cmd))
         files = {name: os.path.join(run, "vllm_smoke", name) for name in ("responses.json", "skip.json")}
         before = {name: _stat(path) for name, path in files.items()}
@@ -479,6 +483,8 @@ def main(argv=None) -> int:
                     "mode, this interpreter) by launch --resume, and report its verdict or vLLM's error")
     ap.add_argument("--vllm-kernels", default="auto,emulation",
                     help="comma-separated stages.vllm_smoke.nvfp4_kernels values to serve with (default: both)")
+    ap.add_argument("--vllm-modes", default="offline", choices=("offline", "server", "offline,server", "server,offline"),
+                    help="the smoke's modes, each with every --vllm-kernels choice (default offline)")
     ap.add_argument("--profile", default="export", help="PTQ_PROFILE for the pipeline: the stages whose rank 0 "
                     "profile summary goes into the report (default export: where the writer's time goes; '' for none)")
     ap.add_argument("--train-steps", type=int, default=0, help="train the random model on the gate's own "

@@ -65,8 +65,8 @@
 #                --train-lr, --train-until: stop once that accuracy is reached, checked every 50 steps)
 #   nano-vllm    the same (a pattern whose run completed in /tmp/nano-work is reused, not rerun), then
 #                the vLLM smoke on each export (offline mode; needs vllm-install first), with vLLM's own
-#                kernels and with its NVFP4 emulation ($NANO_VLLM_KERNELS, default auto,emulation): each
-#                verdict or vLLM's own error
+#                kernels and with its NVFP4 emulation ($NANO_VLLM_KERNELS, default auto,emulation), in
+#                $NANO_VLLM_MODES (default offline; offline,server for both): each verdict or vLLM's own error
 #   te-install   TransformerEngine 2.20.2 from the parts of scripts/te_wheelhouse.py gathered in $TE_PARTS
 #                (default /tmp/te-parts; carried .te-wheelhouse/part-* are added there first): the core
 #                wheel into /tmp/te-site, transformer_engine_torch built from its sdist on this host
@@ -322,7 +322,8 @@ run_part() {
       # each launch's own limit 30 s inside the part's, so nano_width.py records a launch that ran out
       # of time (exit "timeout", with its output) and writes its JSON before the part is killed
       vllm_arg=(); [ "$part" = nano-vllm ] && vllm_arg=(--vllm "$root/scripts/vllm_site_python"
-                                                        --vllm-kernels "${NANO_VLLM_KERNELS:-auto,emulation}")
+                                                        --vllm-kernels "${NANO_VLLM_KERNELS:-auto,emulation}"
+                                                        --vllm-modes "${NANO_VLLM_MODES:-offline}")
       timeout "${NANO_TIMEOUT_S:-560}" python3 benchmarks/nano_width.py --out "$out/$part.json" --work /tmp/nano-work \
         --patterns "${NANO_PATTERNS:-MEM*E}" ${NANO_TRAIN_STEPS:+--train-steps $NANO_TRAIN_STEPS} \
         ${NANO_TRAIN_BATCH:+--train-batch $NANO_TRAIN_BATCH} ${NANO_TRAIN_LR:+--train-lr $NANO_TRAIN_LR} ${NANO_TRAIN_UNTIL:+--train-until $NANO_TRAIN_UNTIL} --timeout "$(( ${NANO_TIMEOUT_S:-560} - 30 ))" --profile "${NANO_PROFILE:-export}" \

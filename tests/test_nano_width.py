@@ -84,7 +84,9 @@ def test_the_smoke_resumes_the_pipelines_own_launch(tmp_path):
     assert "stages.vllm_smoke.nvfp4_kernels=auto" in nw.smoke_argv(base, "/opt/vllm/bin/python", "RUN")
     cmd = nw.smoke_argv(base, "/opt/vllm/bin/python", "RUN", "emulation")
     assert cmd[-2:] == ["--resume", "RUN"] and "stages.vllm_smoke.enabled=false" not in cmd
-    assert "stages.vllm_smoke.nvfp4_kernels=emulation" in cmd
+    assert "stages.vllm_smoke.nvfp4_kernels=emulation" in cmd and "stages.vllm_smoke.mode=offline" in cmd
+    server = nw.smoke_argv(base, "/opt/vllm/bin/python", "RUN", "auto", "server")
+    assert "stages.vllm_smoke.mode=server" in server and "stages.vllm_smoke.mode=offline" not in server
     assert cmd.count("stages.vllm_smoke.enabled=true") == 1 and "stages.vllm_smoke.python=/opt/vllm/bin/python" in cmd
     plan = subprocess.run(cmd[:-2] + ["--dry-run", "--json"], cwd=ROOT, capture_output=True, text=True)
     assert plan.returncode == 0, plan.stderr
@@ -169,10 +171,12 @@ def test_each_kernel_choice_keeps_its_own_verdict_and_files(tmp_path, monkeypatc
 
     run = tmp_path / "run"
     (run / "vllm_smoke").mkdir(parents=True)
-    diffs = {"emulation": 0.01, "auto": 0.13}
+    diffs = {"emulation": 0.01, "auto": 0.13, "emulation-server": 0.02, "auto-server": 0.14}
 
     def fake_launch(cmd, timeout, env=None):
         kind = next(a.split("=", 1)[1] for a in cmd if a.startswith("stages.vllm_smoke.nvfp4_kernels="))
+        mode = next(a.split("=", 1)[1] for a in cmd if a.startswith("stages.vllm_smoke.mode="))
+        kind += "" if mode == "offline" else f"-{mode}"
         choices = {"agreement": 1.0, "median_score_diff": diffs[kind], "questions": [{"id": "q1"}]}
         (run / "vllm_smoke" / "responses.json").write_text(json.dumps(
             {"passed": True, "agreement": 1.0, "kernels": {"family": kind}, "choices": choices}))
@@ -180,9 +184,10 @@ def test_each_kernel_choice_keeps_its_own_verdict_and_files(tmp_path, monkeypatc
         return subprocess.CompletedProcess(cmd, 0, "", "")
 
     monkeypatch.setattr(nw, "run_launch", fake_launch)
-    args = argparse.Namespace(vllm="/opt/vllm/bin/python", vllm_kernels="emulation,auto", timeout=60)
+    args = argparse.Namespace(vllm="/opt/vllm/bin/python", vllm_kernels="emulation,auto", timeout=60,
+                              vllm_modes="offline,server")
     served = nw.serve_with_vllm(["python", "-m", "launcher.cli", nw.NANO], str(run), args)
-    assert list(served) == ["emulation", "auto"]
+    assert list(served) == ["emulation", "auto", "emulation-server", "auto-server"]
     for kind, diff in diffs.items():
         assert served[kind]["exit"] == 0 and served[kind]["responses"]["kernels"] == {"family": kind}
         assert served[kind]["responses"]["choices"] == {"agreement": 1.0, "median_score_diff": diff}
