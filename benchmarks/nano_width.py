@@ -489,10 +489,10 @@ def main(argv=None) -> int:
                     "profile summary goes into the report (default export: where the writer's time goes; '' for none)")
     ap.add_argument("--train-steps", type=int, default=0, help="train the random model on the gate's own "
                     "questions for this many steps before the launch (0: random; benchmarks/_answer_training.py)")
-    ap.add_argument("--train-lr", type=float, default=2e-4)
-    ap.add_argument("--train-batch", type=int, default=4, help="prompts per step (8 ran out of the H100's "
-                    "80 GB in bf16: transformers' reference Mamba-2 scan without mamba_ssm's CUDA extension "
-                    "materialises chunk x chunk x heads x state per sequence)")
+    ap.add_argument("--train-lr", type=float, default=5e-4)
+    ap.add_argument("--train-batch", type=int, default=2, help="prompts per step (2 in float32 trained on the "
+                    "H100 (80 GB, 2026-12-07); 8 in bf16 ran out of it: transformers' reference Mamba-2 scan without "
+                    "mamba_ssm's CUDA extension materialises chunk x chunk x heads x state per sequence)")
     ap.add_argument("--train-until", type=float, default=0.9, help="stop training at the first check (every "
                     "50 steps) whose accuracy on the gate's questions reaches this (0: run every --train-steps)")
     ap.add_argument("overrides", nargs="*", help="extra launch overrides")
