@@ -483,7 +483,8 @@ def main(argv=None) -> int:
                     "mode, this interpreter) by launch --resume, and report its verdict or vLLM's error")
     ap.add_argument("--vllm-kernels", default="auto,emulation",
                     help="comma-separated stages.vllm_smoke.nvfp4_kernels values to serve with (default: both)")
-    ap.add_argument("--vllm-modes", default="offline", choices=("offline", "server", "offline,server", "server,offline"),
+    ap.add_argument("--vllm-modes", default="offline",
+                    choices=("offline", "server", "offline,server", "server,offline"),
                     help="the smoke's modes, each with every --vllm-kernels choice (default offline)")
     ap.add_argument("--profile", default="export", help="PTQ_PROFILE for the pipeline: the stages whose rank 0 "
                     "profile summary goes into the report (default export: where the writer's time goes; '' for none)")
