@@ -1,0 +1,147 @@
+"""How busy the machine's cores are while the test suite runs, per test file, and what that bounds.
+
+    vmstat -t 5 > /tmp/vmstat.log &                     # sampled while the suite runs
+    CI=true bash .ci/run                                # or: make test PYTEST_ARGS="--junitxml=/tmp/junit.xml"
+    kill %1
+    python3 benchmarks/suite_cpu.py --junit /tmp/ptq-junit.XXXX.xml --vmstat /tmp/vmstat.log --cores 2 \
+        --out benchmarks/results/DATE-cpu-suite-utilisation.json
+
+A serial run (``-n 0``) runs its tests one after another, in the JUnit file's order, each for its
+recorded time (setup, call and teardown), from the test suite's ``timestamp``: that places every
+test on the clock, and vmstat's samples (the share of the machine's cores busy in user and system
+time over each interval) say how many core-seconds went by during it.  The sum over the suite is the
+CPU work the suite needs on this machine; divided by the cores, it is the shortest wall any schedule
+of the same work could take here (all cores busy all the time): a lower bound for pytest-xdist
+workers, a rank pool or any other overlap.  A file whose utilisation is well under 1.0 waits (for
+Slurm, a subprocess, a timeout) or runs on one core; only those leave room for overlap.
+
+The vmstat interval's first line (averages since boot) is skipped; the samples cover the machine, so
+run nothing else meanwhile.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks._common import markdown_table, write_json  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Sample:
+    end: float          # epoch seconds at the end of the interval
+    seconds: float      # the interval's length
+    busy: float         # share of all cores busy (user + system), 0..1
+
+
+def read_vmstat(path: str) -> list[Sample]:
+    """``vmstat -t N`` output: one Sample per line after the first (which averages since boot)."""
+    samples, previous = [], None
+    with open(path) as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) < 19 or not fields[0].isdigit():
+                continue
+            end = datetime.datetime.fromisoformat(f"{fields[-2]} {fields[-1]}").replace(
+                tzinfo=datetime.timezone.utc).timestamp()
+            us, sy = int(fields[12]), int(fields[13])
+            if previous is not None:
+                samples.append(Sample(end, end - previous, (us + sy) / 100.0))
+            previous = end
+    if not samples:
+        raise ValueError(f"--vmstat {path}: no samples (expected `vmstat -t N` output, two lines or more)")
+    return samples
+
+
+def busy_core_seconds(samples: list[Sample], start: float, end: float, cores: int) -> float:
+    """Core-seconds busy between ``start`` and ``end``, each sample spread evenly over its interval."""
+    total = 0.0
+    for s in samples:
+        lo, hi = max(start, s.end - s.seconds), min(end, s.end)
+        if hi > lo:
+            total += s.busy * cores * (hi - lo)
+    return total
+
+
+def read_junit(path: str) -> tuple[float, list[tuple[str, float]]]:
+    """The suite's start (epoch seconds) and its tests in order: (file, seconds)."""
+    root = ET.parse(path).getroot()
+    suite = root if root.tag == "testsuite" else root.find("testsuite")
+    if suite is None or not suite.get("timestamp"):
+        raise ValueError(f"--junit {path}: no <testsuite timestamp=...> (pytest --junitxml writes one)")
+    start = datetime.datetime.fromisoformat(suite.get("timestamp"))
+    if start.tzinfo is None:
+        start = start.replace(tzinfo=datetime.timezone.utc)
+    tests = [(tc.get("classname", "").replace(".", "/") + ".py", float(tc.get("time", 0)))
+             for tc in suite.iter("testcase")]
+    return start.timestamp(), tests
+
+
+def per_file(start: float, tests: list[tuple[str, float]], samples: list[Sample], cores: int) -> dict:
+    """{file: {"wall_s", "busy_core_s", "utilisation"}} with the tests laid end to end from ``start``."""
+    out: dict = {}
+    t = start
+    for name, seconds in tests:
+        row = out.setdefault(name, {"wall_s": 0.0, "busy_core_s": 0.0})
+        row["wall_s"] += seconds
+        row["busy_core_s"] += busy_core_seconds(samples, t, t + seconds, cores)
+        t += seconds
+    for row in out.values():
+        row["utilisation"] = row["busy_core_s"] / (cores * row["wall_s"]) if row["wall_s"] else 0.0
+    return out
+
+
+def summary(files: dict, cores: int, target_s: float) -> dict:
+    wall = sum(r["wall_s"] for r in files.values())
+    busy = sum(r["busy_core_s"] for r in files.values())
+    bound = busy / cores
+    return {"wall_s": round(wall, 1), "busy_core_s": round(busy, 1), "cores": cores,
+            "utilisation": round(busy / (cores * wall), 3), "lower_bound_s": round(bound, 1),
+            "target_s": target_s, "target_reachable_by_overlap_alone": bound <= target_s,
+            "cpu_work_to_cut_for_target": round(max(0.0, 1 - target_s / bound), 3)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--junit", required=True, help="the serial run's JUnit XML (pytest --junitxml)")
+    ap.add_argument("--vmstat", required=True, help="`vmstat -t N` sampled over the same run")
+    ap.add_argument("--cores", type=int, default=os.cpu_count())
+    ap.add_argument("--target-s", type=float, default=720.0, help="the test phase's goal (issue 25: 12 minutes)")
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--out", help="write the figures as JSON here")
+    args = ap.parse_args(argv)
+    if args.cores < 1:
+        ap.error(f"--cores {args.cores} must be >= 1")
+    start, tests = read_junit(args.junit)
+    samples = read_vmstat(args.vmstat)
+    if samples[0].end - samples[0].seconds > start or samples[-1].end < start + sum(s for _, s in tests):
+        print(f"warning: the vmstat samples ({samples[0].end - samples[0].seconds:.0f}..{samples[-1].end:.0f}) "
+              f"do not cover the whole suite ({start:.0f}..{start + sum(s for _, s in tests):.0f}): the "
+              f"uncovered part counts as idle", file=sys.stderr)
+    files = per_file(start, tests, samples, args.cores)
+    doc = {"benchmark": "suite_cpu", "junit": args.junit, "vmstat": args.vmstat,
+           "summary": summary(files, args.cores, args.target_s),
+           "files": {k: {m: round(v, 2) for m, v in r.items()} for k, r in
+                     sorted(files.items(), key=lambda kv: -kv[1]["wall_s"])}}
+    s = doc["summary"]
+    print(f"suite: {s['wall_s']:.0f} s wall, {s['busy_core_s']:.0f} core-seconds busy on {s['cores']} cores "
+          f"(utilisation {s['utilisation']:.2f}); the shortest any overlap could make it: {s['lower_bound_s']:.0f} s "
+          f"(target {s['target_s']:.0f} s: " + ("within reach of overlap" if s["target_reachable_by_overlap_alone"]
+                                               else f"{s['cpu_work_to_cut_for_target']:.0%} of the CPU work must go")
+          + ")")
+    rows = [[f"{r['wall_s']:.1f}", f"{r['busy_core_s']:.1f}", f"{r['utilisation']:.2f}", name]
+            for name, r in list(doc["files"].items())[:args.top]]
+    print(markdown_table(["wall s", "busy core-s", "utilisation", "file"], rows))
+    if args.out:
+        write_json(args.out, doc)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
