@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from benchmarks._answer_training import GatePrompts, prompts_for, train_answers, trainable
+from benchmarks._answer_training import GatePrompts, choice_logits, prompts_for, train_answers, trainable
 
 pytestmark = pytest.mark.torch
 torch = pytest.importorskip("torch")
@@ -36,6 +36,26 @@ def _random_model(tiny_dir):
     config = transformers.AutoConfig.from_pretrained(f"{tiny_dir}/hf")
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(config).float()
+
+
+def test_choice_logits_are_the_full_logits_choice_columns(tiny_dir, tmp_path):
+    """choice_logits (the last hidden state times the output embedding's four choice rows) equals the
+    model's own full logits at each prompt's last position, choice columns, for a right-padded batch:
+    a Qwen3-MoE and a NemotronH (Mamba-2, attention, MoE), both random, in float32."""
+    import transformers
+
+    from launcher_testing.checkpoints import write_tiny_nemotron_h
+
+    nemotron = transformers.AutoModelForCausalLM.from_pretrained(
+        write_tiny_nemotron_h(str(tmp_path / "nemotron"), pattern="MEM*E"), torch_dtype=torch.float32)
+    prompts = GatePrompts([[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]], [0, 1], [20, 21, 22, 23], pad_id=0)
+    for model in (_random_model(tiny_dir).eval(), nemotron.eval()):
+        with torch.no_grad():
+            got = choice_logits(model, prompts, [0, 1], "cpu")
+            want = torch.stack([model(input_ids=torch.tensor([ids])).logits[0, -1, prompts.choice_ids]
+                                for ids in prompts.token_ids])
+        assert got.shape == (2, 4)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 
 
 def test_only_the_routed_experts_are_frozen():
