@@ -5,7 +5,7 @@ PY ?= python3.11
 VENV := .venv
 PYTEST_ARGS ?=
 
-.PHONY: demo demo-nemotron demo-report test test-setup venv vllm-env slurm chromium tiny tiny-qwen tiny-nemotron test-vllm test-fast clean-runs
+.PHONY: demo demo-nemotron demo-report test test-setup system-packages venv vllm-env slurm chromium tiny tiny-qwen tiny-nemotron test-vllm test-fast clean-runs
 
 venv: $(VENV)/.setup-done-v5
 $(VENV)/.setup-done-v5: pyproject.toml scripts/setup_venv.sh
@@ -54,7 +54,12 @@ TEST_WORKERS ?= 0
 # the set-up steps side by side: the two venvs' installs alone took 165 s one after the other and 92 s
 # together on this 2-core machine (2026-12-07, a fresh clone); tiny waits for venv
 test-setup:
-	$(MAKE) -j4 venv vllm-env slurm chromium tiny
+	$(MAKE) -j4 venv vllm-env tiny system-packages
+
+# the apt installs one after the other (dpkg's lock), beside the rest
+system-packages:
+	$(MAKE) slurm
+	$(MAKE) chromium
 
 test: test-setup
 	OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest tests -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder $(PYTEST_ARGS)

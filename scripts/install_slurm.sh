@@ -22,8 +22,10 @@ fi
 SUDO=""
 if [[ "$(id -u)" != 0 ]]; then SUDO="sudo"; fi
 export DEBIAN_FRONTEND=noninteractive
-$SUDO apt-get update -qq
-$SUDO apt-get install -y -qq --no-install-recommends "${PKGS[@]}"
+# wait for another apt (e.g. an operator's, or scripts/install_chromium.sh) instead of failing on its lock
+APT=(apt-get -o DPkg::Lock::Timeout=600)
+$SUDO "${APT[@]}" update -qq
+$SUDO "${APT[@]}" install -y -qq --no-install-recommends "${PKGS[@]}"
 # On hosts with systemd the packages start system services (without a slurm.conf they fail anyway);
 # stop them so only the test suite's private daemons run.
 if command -v systemctl >/dev/null 2>&1 && [[ -d /run/systemd/system ]]; then
