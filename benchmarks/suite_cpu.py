@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
+import importlib.util
 import os
 import sys
 import xml.etree.ElementTree as ET
@@ -30,7 +30,16 @@ from dataclasses import dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._common import markdown_table, write_json  # noqa: E402
+from benchmarks._common import REPO_ROOT, markdown_table, write_json  # noqa: E402
+
+
+def _durations_per_file():
+    """.ci/durations_per_file.py (not a package): its ``file_of`` names each test case's file."""
+    spec = importlib.util.spec_from_file_location("durations_per_file",
+                                                  os.path.join(REPO_ROOT, ".ci", "durations_per_file.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @dataclass(frozen=True)
@@ -78,8 +87,8 @@ def read_junit(path: str) -> tuple[float, list[tuple[str, float]]]:
     start = datetime.datetime.fromisoformat(suite.get("timestamp"))
     if start.tzinfo is None:
         start = start.replace(tzinfo=datetime.timezone.utc)
-    tests = [(tc.get("classname", "").replace(".", "/") + ".py", float(tc.get("time", 0)))
-             for tc in suite.iter("testcase")]
+    file_of = _durations_per_file().file_of
+    tests = [(file_of(tc), float(tc.get("time", 0))) for tc in suite.iter("testcase")]
     return start.timestamp(), tests
 
 
@@ -120,10 +129,10 @@ def main(argv=None) -> int:
         ap.error(f"--cores {args.cores} must be >= 1")
     start, tests = read_junit(args.junit)
     samples = read_vmstat(args.vmstat)
-    if samples[0].end - samples[0].seconds > start or samples[-1].end < start + sum(s for _, s in tests):
-        print(f"warning: the vmstat samples ({samples[0].end - samples[0].seconds:.0f}..{samples[-1].end:.0f}) "
-              f"do not cover the whole suite ({start:.0f}..{start + sum(s for _, s in tests):.0f}): the "
-              f"uncovered part counts as idle", file=sys.stderr)
+    end, first = start + sum(s for _, s in tests), samples[0].end - samples[0].seconds
+    if first > start or samples[-1].end < end:
+        print(f"warning: the vmstat samples ({first:.0f}..{samples[-1].end:.0f}) do not cover the whole suite "
+              f"({start:.0f}..{end:.0f}): the uncovered part counts as idle", file=sys.stderr)
     files = per_file(start, tests, samples, args.cores)
     doc = {"benchmark": "suite_cpu", "junit": args.junit, "vmstat": args.vmstat,
            "summary": summary(files, args.cores, args.target_s),

@@ -26,14 +26,16 @@ def vmstat_line(us: int, sy: int, hms: str) -> str:
 
 @pytest.fixture
 def run(tmp_path):
-    """Three tests from 10:00:00: a.py 10 s, b.py 5 s, a.py 5 s; vmstat every 10 s from 09:59:50 (the
+    """Three tests from 10:00:00: test_a.py 10 s, test_b.py 5 s, test_a.py 5 s (a test class's: named by
+    .ci/durations_per_file.py's file_of, as .ci/run's totals are); vmstat every 10 s from 09:59:50 (the
     first line, averages since boot, says 99% and must not count): 10:00:00-10:00:10 half the cores
     busy (40 + 10), 10:00:10-10:00:20 all of them (90 + 10)."""
     junit = tmp_path / "junit.xml"
     junit.write_text(
         '<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" timestamp='
-        '"2026-12-07T10:00:00+00:00" time="20"><testcase classname="tests.a" name="t1" time="10"/>'
-        '<testcase classname="tests.b" name="t2" time="5"/><testcase classname="tests.a" name="t3" time="5"/>'
+        '"2026-12-07T10:00:00+00:00" time="20"><testcase classname="tests.test_a" name="t1" time="10"/>'
+        '<testcase classname="tests.test_b" name="t2" time="5"/>'
+        '<testcase classname="tests.test_a.TestThree" name="t3" time="5"/>'
         '</testsuite></testsuites>')
     vmstat = tmp_path / "vmstat.log"
     vmstat.write_text(VMSTAT_HEAD + vmstat_line(90, 9, "09:59:50") + vmstat_line(40, 10, "10:00:00")
@@ -46,11 +48,11 @@ def test_each_file_gets_the_busy_core_seconds_of_its_own_tests(run):
     start, tests = suite_cpu.read_junit(str(junit))
     samples = suite_cpu.read_vmstat(str(vmstat))
     assert [s.busy for s in samples] == [0.5, 0.5, 1.0] and all(s.seconds == 10 for s in samples)
-    assert tests == [("tests/a.py", 10.0), ("tests/b.py", 5.0), ("tests/a.py", 5.0)]
+    assert tests == [("tests/test_a.py", 10.0), ("tests/test_b.py", 5.0), ("tests/test_a.py", 5.0)]
     files = suite_cpu.per_file(start, tests, samples, cores=2)
-    # a.py: 10 s at half of 2 cores (10 core-s) + 5 s at both (10 core-s); b.py: 5 s at both (10 core-s)
-    assert files["tests/a.py"] == {"wall_s": 15.0, "busy_core_s": 20.0, "utilisation": 20 / 30}
-    assert files["tests/b.py"] == {"wall_s": 5.0, "busy_core_s": 10.0, "utilisation": 1.0}
+    # test_a.py: 10 s at half of 2 cores (10 core-s) + 5 s at both (10 core-s); test_b.py: 5 s at both (10 core-s)
+    assert files["tests/test_a.py"] == {"wall_s": 15.0, "busy_core_s": 20.0, "utilisation": 20 / 30}
+    assert files["tests/test_b.py"] == {"wall_s": 5.0, "busy_core_s": 10.0, "utilisation": 1.0}
     s = suite_cpu.summary(files, cores=2, target_s=12.0)
     assert s == {"wall_s": 20.0, "busy_core_s": 30.0, "cores": 2, "utilisation": 0.75, "lower_bound_s": 15.0,
                  "target_s": 12.0, "target_reachable_by_overlap_alone": False, "cpu_work_to_cut_for_target": 0.2}
@@ -66,7 +68,7 @@ def test_the_command_writes_the_figures_and_prints_the_bound(run, tmp_path, caps
     assert ("suite: 20 s wall, 30 core-seconds busy on 2 cores (utilisation 0.75); the shortest any overlap could "
             "make it: 15 s (target 12 s: 20% of the CPU work must go)") in printed
     doc = json.loads(out.read_text())
-    assert list(doc["files"]) == ["tests/a.py", "tests/b.py"] and doc["summary"]["lower_bound_s"] == 15.0
+    assert list(doc["files"]) == ["tests/test_a.py", "tests/test_b.py"] and doc["summary"]["lower_bound_s"] == 15.0
 
 
 def test_inputs_that_are_not_what_they_should_be_are_refused(tmp_path, run):
