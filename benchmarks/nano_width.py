@@ -328,8 +328,7 @@ def serve_with_vllm(base: list[str], run: str, args) -> dict:
     precision), in each ``--vllm-modes`` mode: each one's verdict, or vLLM's own error when it does not
     serve the export. Keys: the kernels choice (offline), ``auto-server`` (server mode)."""
     served = {}
-    modes = getattr(args, "vllm_modes", "offline").split(",")
-    for mode, kernels in ((m, k) for m in modes for k in args.vllm_kernels.split(",")):
+    for mode, kernels in ((m, k) for m in args.vllm_modes.split(",") for k in args.vllm_kernels.split(",")):
         kind = kernels if mode == "offline" else f"{kernels}-{mode}"
         cmd = smoke_argv(base, args.vllm, run, kernels, mode)
         log(f"  vLLM ({kind}): " + " ".join(cmd))
@@ -352,9 +351,9 @@ def serve_with_vllm(base: list[str], run: str, args) -> dict:
                     out[stem]["choices"] = {k: v for k, v in doc["choices"].items() if k != "questions"}
                 # kept per kind: the next kind's launch writes the same files again
                 shutil.copy(path, os.path.join(run, "vllm_smoke", f"{stem}-{kind}.json"))
-                engine_log = os.path.join(run, "vllm_smoke", "log.txt")
-                if os.path.exists(engine_log):
-                    shutil.copy(engine_log, os.path.join(run, "vllm_smoke", f"log-{kind}.txt"))
+        engine_log = os.path.join(run, "vllm_smoke", "log.txt")
+        if os.path.exists(engine_log):
+            shutil.copy(engine_log, os.path.join(run, "vllm_smoke", f"log-{kind}.txt"))
         if p.returncode != 0:
             out["error_tail"] = p.stdout[-2000:] + "\n" + p.stderr[-3000:]
         log(f"  vLLM ({kind}): exit {p.returncode}, agreement {(out.get('responses') or {}).get('agreement')}")
@@ -391,10 +390,10 @@ def run_pattern(spec: str, card: dict, work: str, args) -> dict:
     calib = os.path.join(work, "calib.jsonl")
     model_json = os.path.join(hf, "nano_width_model.json")
     launch_json = os.path.join(work, f"{job}.launch.json")
-    earlier = completed_run(runs_root, job) if os.path.exists(model_json) else None
-    if earlier:                                    # an earlier call built and ran it (--work kept on this host)
-        with open(model_json) as f:
-            model = json.load(f)
+    # an earlier call on this host (--work kept) built (and trained) the model, and perhaps ran it
+    model = ready_model(model_json, args)
+    earlier = completed_run(runs_root, job) if model else None
+    if earlier:
         log(f"pattern {pattern}: reusing {earlier}")
         base = recorded_launch(launch_json, launch_argv(hf, pattern, model, calib, runs_root, job, args,
                                                         ["stages.vllm_smoke.enabled=false"]))
@@ -402,7 +401,6 @@ def run_pattern(spec: str, card: dict, work: str, args) -> dict:
                  "stages": read_stage_figures(earlier)}
         entry.update(derived(entry["stages"], model))
     else:
-        model = ready_model(model_json, args)
         if model:                                  # built (and trained) by an earlier call cut off in its launch
             log(f"pattern {pattern}: reusing the model in {hf}" + (" (trained)" if args.train_steps else ""))
         else:
