@@ -15,6 +15,11 @@ of the same work could take here (all cores busy all the time): a lower bound fo
 workers, a rank pool or any other overlap.  A file whose utilisation is well under 1.0 waits (for
 Slurm, a subprocess, a timeout) or runs on one core; only those leave room for overlap.
 
+A run with pytest-xdist workers (``--workers N``, N > 0) runs tests side by side, so they cannot be laid
+end to end: only the whole suite is measured then, from its ``timestamp`` for the suite's own ``time``
+(its wall), with the same samples.  Its busy core-seconds against a serial run's show what running side
+by side costs in CPU work (contention), its wall what it gains.
+
 The vmstat interval's first line (averages since boot) is skipped; the samples cover the machine, so
 run nothing else meanwhile.
 """
@@ -78,8 +83,8 @@ def busy_core_seconds(samples: list[Sample], start: float, end: float, cores: in
     return total
 
 
-def read_junit(path: str) -> tuple[float, list[tuple[str, float]]]:
-    """The suite's start (epoch seconds) and its tests in order: (file, seconds)."""
+def _suite(path: str) -> tuple[ET.Element, float]:
+    """The JUnit file's <testsuite> and its start (epoch seconds)."""
     root = ET.parse(path).getroot()
     suite = root if root.tag == "testsuite" else root.find("testsuite")
     if suite is None or not suite.get("timestamp"):
@@ -87,9 +92,23 @@ def read_junit(path: str) -> tuple[float, list[tuple[str, float]]]:
     start = datetime.datetime.fromisoformat(suite.get("timestamp"))
     if start.tzinfo is None:
         start = start.replace(tzinfo=datetime.timezone.utc)
+    return suite, start.timestamp()
+
+
+def read_junit(path: str) -> tuple[float, list[tuple[str, float]]]:
+    """The suite's start (epoch seconds) and its tests in order: (file, seconds)."""
+    suite, start = _suite(path)
     file_of = _durations_per_file().file_of
     tests = [(file_of(tc), float(tc.get("time", 0))) for tc in suite.iter("testcase")]
-    return start.timestamp(), tests
+    return start, tests
+
+
+def read_suite_wall(path: str) -> tuple[float, float]:
+    """The suite's start (epoch seconds) and its wall (its ``time``: pytest's whole session)."""
+    suite, start = _suite(path)
+    if suite.get("time") is None:
+        raise ValueError(f"--junit {path}: no <testsuite time=...> (pytest --junitxml writes one)")
+    return start, float(suite.get("time"))
 
 
 def per_file(start: float, tests: list[tuple[str, float]], samples: list[Sample], cores: int) -> dict:
@@ -107,8 +126,11 @@ def per_file(start: float, tests: list[tuple[str, float]], samples: list[Sample]
 
 
 def summary(files: dict, cores: int, target_s: float) -> dict:
-    wall = sum(r["wall_s"] for r in files.values())
-    busy = sum(r["busy_core_s"] for r in files.values())
+    return summary_of(sum(r["wall_s"] for r in files.values()), sum(r["busy_core_s"] for r in files.values()),
+                      cores, target_s)
+
+
+def summary_of(wall: float, busy: float, cores: int, target_s: float) -> dict:
     bound = busy / cores
     return {"wall_s": round(wall, 1), "busy_core_s": round(busy, 1), "cores": cores,
             "utilisation": round(busy / (cores * wall), 3), "lower_bound_s": round(bound, 1),
@@ -118,24 +140,35 @@ def summary(files: dict, cores: int, target_s: float) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--junit", required=True, help="the serial run's JUnit XML (pytest --junitxml)")
+    ap.add_argument("--junit", required=True, help="the run's JUnit XML (pytest --junitxml)")
     ap.add_argument("--vmstat", required=True, help="`vmstat -t N` sampled over the same run")
     ap.add_argument("--cores", type=int, default=os.cpu_count())
     ap.add_argument("--target-s", type=float, default=720.0, help="the test phase's goal (issue 25: 12 minutes)")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--workers", type=int, default=0,
+                    help="the run's pytest-xdist workers (make test's TEST_WORKERS); > 0: the whole suite only")
     ap.add_argument("--out", help="write the figures as JSON here")
     args = ap.parse_args(argv)
     if args.cores < 1:
         ap.error(f"--cores {args.cores} must be >= 1")
-    start, tests = read_junit(args.junit)
+    if args.workers < 0:
+        ap.error(f"--workers {args.workers} must be >= 0 (0: a serial run)")
     samples = read_vmstat(args.vmstat)
-    end, first = start + sum(s for _, s in tests), samples[0].end - samples[0].seconds
+    if args.workers:
+        start, wall = read_suite_wall(args.junit)
+        files, end = {}, start + wall
+        totals = summary_of(wall, busy_core_seconds(samples, start, end, args.cores), args.cores, args.target_s)
+    else:
+        start, tests = read_junit(args.junit)
+        end = start + sum(s for _, s in tests)
+        files = per_file(start, tests, samples, args.cores)
+        totals = summary(files, args.cores, args.target_s)
+    first = samples[0].end - samples[0].seconds
     if first > start or samples[-1].end < end:
         print(f"warning: the vmstat samples ({first:.0f}..{samples[-1].end:.0f}) do not cover the whole suite "
               f"({start:.0f}..{end:.0f}): the uncovered part counts as idle", file=sys.stderr)
-    files = per_file(start, tests, samples, args.cores)
-    doc = {"benchmark": "suite_cpu", "junit": args.junit, "vmstat": args.vmstat,
-           "summary": summary(files, args.cores, args.target_s),
+    doc = {"benchmark": "suite_cpu", "junit": args.junit, "vmstat": args.vmstat, "workers": args.workers,
+           "summary": totals,
            "files": {k: {m: round(v, 2) for m, v in r.items()} for k, r in
                      sorted(files.items(), key=lambda kv: -kv[1]["wall_s"])}}
     s = doc["summary"]
@@ -146,7 +179,8 @@ def main(argv=None) -> int:
           + ")")
     rows = [[f"{r['wall_s']:.1f}", f"{r['busy_core_s']:.1f}", f"{r['utilisation']:.2f}", name]
             for name, r in list(doc["files"].items())[:args.top]]
-    print(markdown_table(["wall s", "busy core-s", "utilisation", "file"], rows))
+    if rows:
+        print(markdown_table(["wall s", "busy core-s", "utilisation", "file"], rows))
     if args.out:
         write_json(args.out, doc)
     return 0

@@ -83,3 +83,27 @@ def test_inputs_that_are_not_what_they_should_be_are_refused(tmp_path, run):
         suite_cpu.read_junit(str(bare))
     with pytest.raises(SystemExit):
         suite_cpu.main(["--junit", str(junit), "--vmstat", str(empty), "--cores", "0"])
+
+
+def test_a_run_with_workers_is_measured_whole_over_the_suites_own_wall(run, tmp_path, capsys):
+    """Two workers: the tests' times add up to 20 s in a suite of 10 s, so they are not laid end to end;
+    the suite's 10 s (10:00:00-10:00:10, half the cores busy) give 10 core-seconds, and no file rows."""
+    _, vmstat = run
+    junit = tmp_path / "workers.xml"
+    junit.write_text(
+        '<testsuites><testsuite name="pytest" timestamp="2026-12-07T10:00:00+00:00" time="10">'
+        '<testcase classname="tests.test_a" name="t1" time="10"/><testcase classname="tests.test_b" name="t2" '
+        'time="10"/></testsuite></testsuites>')
+    out = tmp_path / "out.json"
+    assert suite_cpu.main(["--junit", str(junit), "--vmstat", str(vmstat), "--cores", "2", "--target-s", "4",
+                           "--workers", "2", "--out", str(out)]) == 0
+    assert ("suite: 10 s wall, 10 core-seconds busy on 2 cores (utilisation 0.50); the shortest any overlap "
+            "could make it: 5 s (target 4 s: 20% of the CPU work must go)") in capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    assert doc["workers"] == 2 and doc["files"] == {} and doc["summary"]["busy_core_s"] == 10.0
+    with pytest.raises(SystemExit):
+        suite_cpu.main(["--junit", str(junit), "--vmstat", str(vmstat), "--workers", "-1"])
+    bare = tmp_path / "no-time.xml"
+    bare.write_text('<testsuites><testsuite name="pytest" timestamp="2026-12-07T10:00:00+00:00"/></testsuites>')
+    with pytest.raises(ValueError, match=r"--junit .*no-time.xml: no <testsuite time=...>"):
+        suite_cpu.read_suite_wall(str(bare))
