@@ -46,11 +46,11 @@ demo-report: venv tiny-qwen
 	PATH=$(abspath $(VENV))/bin:$$PATH bash scripts/demo_report.sh $(DEMO_RUNS)
 
 # TEST_WORKERS pytest-xdist workers, each test file on one of them (tests/xdist_plan.py; 0: one process).
-# Opt-in: 2 took 903 s and 1,112 s against 1,412 s serial on this 2-core machine (2026-12-07, side by
-# side), but 1,414 s in the fresh-clone CI rehearsal at e3bea34, where every file took about twice
-# as long as serial (the two-node Slurm test 719 s): the suite keeps both cores busy by itself, so
-# two workers mostly share them. The master ports are drawn below the ephemeral range (launcher/ports.py).
-TEST_WORKERS ?= 0
+# 2 by default: in fresh-clone CI rehearsals on this quiet 2-core machine the test phase took 1,169 s
+# with two workers (e46490c, benchmarks/results/2026-12-07-cpu-suite-utilisation-two-workers-e46490c.json)
+# against 1,381 s serial at the same commit; on a machine already loaded they gained little (1,414 s at
+# e3bea34). The master ports are drawn below the ephemeral range (launcher/ports.py).
+TEST_WORKERS ?= 2
 # the set-up steps side by side: the two venvs' installs alone took 165 s one after the other and 92 s
 # together on this 2-core machine (2026-12-07, a fresh clone); tiny waits for venv
 test-setup:
