@@ -47,7 +47,7 @@ demo-report: venv tiny-qwen
 
 # TEST_WORKERS pytest-xdist workers, each test file on one of them (tests/xdist_plan.py; 0: one process).
 # 2 by default: in fresh-clone CI rehearsals on this quiet 2-core machine the test phase took 1,169 s
-# with two workers (e46490c, benchmarks/results/2026-12-07-cpu-suite-utilisation-two-workers-e46490c.json)
+# with two workers (e46490c, benchmarks/results/2026-12-07-cpu-suite-utilisation-two-workers.json)
 # against 1,381 s serial at the same commit; on a machine already loaded they gained little (1,414 s at
 # e3bea34). The master ports are drawn below the ephemeral range (launcher/ports.py).
 TEST_WORKERS ?= 2
