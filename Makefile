@@ -5,7 +5,7 @@ PY ?= python3.11
 VENV := .venv
 PYTEST_ARGS ?=
 
-.PHONY: demo demo-nemotron demo-report test test-setup system-packages venv vllm-env slurm chromium tiny tiny-qwen tiny-nemotron test-vllm test-fast clean-runs
+.PHONY: demo demo-nemotron demo-report test test-setup system-packages venv vllm-env slurm chromium tiny tiny-qwen tiny-nemotron tiny-nemotron-background test-vllm test-fast clean-runs
 
 venv: $(VENV)/.setup-done-v5
 $(VENV)/.setup-done-v5: pyproject.toml scripts/setup_venv.sh
@@ -53,8 +53,13 @@ demo-report: venv tiny-qwen
 TEST_WORKERS ?= 2
 # the set-up steps side by side: the two venvs' installs alone took 165 s one after the other and 92 s
 # together on this 2-core machine (2026-12-07, a fresh clone); tiny waits for venv
+# tiny-nemotron-background: NemotronH-MoE-tiny's build (about 10 min of one core) goes on beside the
+# tests; the one file that uses it (tests/test_pipeline_nemotron_h.py) waits for it on the build's lock
 test-setup:
-	$(MAKE) -j4 venv vllm-env tiny system-packages
+	$(MAKE) -j4 venv vllm-env tiny-qwen tiny-nemotron-background system-packages
+
+tiny-nemotron-background: venv
+	$(VENV)/bin/python -m launcher_testing.tiny --model NemotronH-MoE-tiny --background
 
 # the apt installs one after the other (dpkg's lock), beside the rest
 system-packages:

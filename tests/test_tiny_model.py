@@ -160,3 +160,46 @@ def test_bad_input_is_a_value_error(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(ValueError):
         ensure_tiny_model(out_dir=tmp_path / "file", recipe=QUICK)
+
+
+BACKGROUND_BUILDER = """
+import dataclasses, sys
+from launcher_testing.tiny import Recipe, ensure_tiny_model
+quick = dataclasses.replace(Recipe(), **{quick!r})
+ensure_tiny_model(out_dir=sys.argv[1], recipe=quick, log=lambda s: print(s, flush=True))
+"""
+
+
+def test_a_background_build_is_waited_for_by_the_next_caller(tmp_path, capsys):
+    """`python -m launcher_testing.tiny --background` (make test's NemotronH build): the call returns once
+    the detached builder holds the lock, and ensure_tiny_model then waits for that build instead of
+    making its own; a second start finds the build current."""
+    import sys
+
+    from launcher_testing.tiny.__main__ import holds_lock, start_in_background
+
+    out, log = tmp_path / "m", tmp_path / "build.log"
+    quick = {f.name: getattr(QUICK, f.name) for f in dataclasses.fields(QUICK)
+             if getattr(QUICK, f.name) != getattr(Recipe(), f.name)}
+    builder = [sys.executable, "-c", BACKGROUND_BUILDER.format(quick=quick), str(out)]
+    assert start_in_background(out, QUICK, builder, log) == 0
+    assert holds_lock(tmp_path / ".m.lock") and not out.exists()   # returned while the builder builds
+    assert "building m in the background" in capsys.readouterr().out
+    built = ensure_tiny_model(out_dir=out, recipe=QUICK, log=lambda s: pytest.fail(f"built a second time: {s}"))
+    assert built == out and read_build_info(out)["recipe_hash"]
+    text = log.read_text()
+    assert text.count("[tiny] building") == 1 and "[tiny] accuracy on 40 test questions" in text, text
+    assert start_in_background(out, QUICK, [sys.executable, "-c", "raise SystemExit(5)"], log) == 0
+    assert capsys.readouterr().out.strip() == str(out)   # current: nothing started
+
+
+def test_a_background_builder_that_fails_is_reported(tmp_path, capsys):
+    import sys
+
+    from launcher_testing.tiny.__main__ import start_in_background
+
+    log = tmp_path / "build.log"
+    code = start_in_background(tmp_path / "m", QUICK, [sys.executable, "-c", "print('no'); raise SystemExit(5)"], log)
+    assert code == 1
+    assert f"error: the background build of m exited with 5; see {log}" in capsys.readouterr().err
+    assert log.read_text() == "no\n"
