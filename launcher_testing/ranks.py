@@ -43,6 +43,7 @@ import tempfile
 import time
 from typing import Optional
 
+from launcher.executors.rank_start import IMPORT_TIME_PREFIXES
 from launcher.ports import free_port  # noqa: F401 (also what benchmarks/_common re-exports)
 from launcher_testing import rank_pool
 from launcher_testing.rank_pool import RANK_KEYS, JobFailure, RankPool, failure_message, rank_vars
@@ -50,12 +51,6 @@ from launcher_testing.rank_pool import RANK_KEYS, JobFailure, RankPool, failure_
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 POOL_ENV = "PTQ_RANK_POOL"
 POOL_SIZE = 4
-# a rank-environment variable with one of these prefixes is read when the interpreter starts
-# (PYTHON*, LD_*), when a runtime loads (OMP_*, MKL_*, KMP_*, CUDA_*: CUDA_VISIBLE_DEVICES) or when
-# torch, huggingface_hub or transformers is imported (TORCH*, PYTORCH_*, HF_*, TRANSFORMERS_*):
-# a pooled worker, started with another value, cannot take a new one
-IMPORT_TIME_PREFIXES = ("PYTHON", "LD_", "OMP_", "MKL_", "KMP_", "CUDA_", "TORCH", "PYTORCH_", "HF_",
-                        "TRANSFORMERS_")
 
 _pool: Optional[RankPool] = None
 fresh_runs: list[tuple[str, str]] = []    # (target, reason) of each call run on fresh processes

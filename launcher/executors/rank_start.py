@@ -34,6 +34,12 @@ FORKABLE = ("launcher.worker",)   # modules whose main(argv) -> exit code a fork
 # modules a rank must import itself, after its own set-up (the mamba_ssm stub, the patch register)
 NOT_PRELOADED = ("mamba_ssm", "selective_scan_cuda", "megatron.core.ssm.mamba_mixer", "launcher.megatron.patches")
 SPAWN, FORK = "spawn", "fork"
+# environment variables read when the interpreter starts (PYTHON*, LD_*), when a runtime loads (OMP_*,
+# MKL_*, KMP_*, CUDA_*: CUDA_VISIBLE_DEVICES) or when torch, huggingface_hub or transformers is imported
+# (TORCH*, PYTORCH_*, HF_*, TRANSFORMERS_*): a process forked from a preloaded one (a pooled test rank,
+# an agent of a shared local zygote) keeps the values that process started with
+IMPORT_TIME_PREFIXES = ("PYTHON", "LD_", "OMP_", "MKL_", "KMP_", "CUDA_", "TORCH", "PYTORCH_", "HF_",
+                        "TRANSFORMERS_")
 _PR_SET_NAME = 15
 
 
