@@ -36,6 +36,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_EXAMPLE = os.path.join(ROOT, "examples", "tiny", "Qwen3-MoE-tiny", "megatron_lm_ptq.yaml")
 
 
+# the shared run's agents and ranks must be its `launch` process's descendants (worker_pids finds them
+# there) and tests/test_pipeline_local.py checks the run's own preloaded process: not the session's
+# shared one (tests/conftest.py's shared_local_zygote)
+OWN_ZYGOTE = {"PTQ_LOCAL_ZYGOTE": "0"}
+
+
 def launch(*args, env=None, **kw) -> subprocess.Popen:
     """``launch TINY_EXAMPLE *args`` from the repository, stdout and stderr as one text pipe."""
     return subprocess.Popen([sys.executable, "-m", "launcher.cli", TINY_EXAMPLE, *args], cwd=ROOT,
@@ -127,7 +133,7 @@ class KillResumeRun:
 def make_kill_resume_run(base: Path) -> KillResumeRun:
     runs = base / "runs"
     # 1. kill rank 1 during quantize, once calibration has started
-    proc = launch(f"runs_root={runs}")
+    proc = launch(f"runs_root={runs}", env=OWN_ZYGOTE)
     run_dir, lines, killed_pid = None, [], None
     deadline = time.time() + 600
     try:
@@ -149,7 +155,8 @@ def make_kill_resume_run(base: Path) -> KillResumeRun:
     killed = base / "killed" / "runs"
     killed_copy = copy_run(run_dir, killed)   # the state the kill left, before the resume changes it
     # 2. resume: everything runs and passes (export profiled: PTQ_PROFILE, launcher/profiling.py)
-    resume_code, resume_out = finish(launch(f"runs_root={runs}", "--resume", run_dir, env={"PTQ_PROFILE": "export"}))
+    resume_code, resume_out = finish(launch(f"runs_root={runs}", "--resume", run_dir,
+                                            env={"PTQ_PROFILE": "export", **OWN_ZYGOTE}))
     _read_only(killed_copy)
     _read_only(Path(run_dir))
     return KillResumeRun(killed=killed_copy, killed_code=killed_code, killed_out="".join(lines) + rest,

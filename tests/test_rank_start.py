@@ -201,3 +201,87 @@ def test_a_failing_forked_rank_ends_the_multiprocessing_children_it_leaves(tmp_p
     while not _gone(child) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _gone(child), f"the rank's multiprocessing child {child} outlived it"
+
+
+def _start_listener(tmp_path, env: dict) -> tuple[subprocess.Popen, str]:
+    """The shared preloaded process, once its socket is there (its imports done)."""
+    path = str(tmp_path / "shared.sock")
+    log = open(tmp_path / "shared.log", "w")
+    proc = subprocess.Popen([PY, "-m", "launcher.executors.local_zygote", "--listen", path], cwd=ROOT, env=env,
+                            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    log.close()
+    deadline = time.monotonic() + 240
+    while not os.path.exists(path):
+        assert proc.poll() is None, (tmp_path / "shared.log").read_text()
+        assert time.monotonic() < deadline, "the shared preloaded process did not listen in 240 s"
+        time.sleep(0.2)
+    return proc, path
+
+
+@pytest.mark.torch
+def test_the_shared_zygote_forks_the_agents_of_several_runs_and_refuses_another_environment(tmp_path):
+    """``local_zygote --listen PATH``: each connection is one run, served as a run's own preloaded process
+    would serve it; a run whose import-time environment differs is refused naming the variables; a
+    path nobody listens on is refused in the socket's words; SIGTERM ends the process and its socket."""
+    from launcher.executors.local import free_port
+    from launcher.executors.local_zygote import Zygote
+
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env.pop("PTQ_LOCAL_ZYGOTE", None)
+    proc, path = _start_listener(tmp_path, env)
+    cmd = [PY, "-m", "launcher.worker", "quantize", str(tmp_path)]
+    try:
+        for run in range(2):
+            zygote, why = Zygote.connect(path, cmd, env)
+            assert zygote is not None and why == f"CUDA is hidden from the ranks; shared: {path}", why
+            agent = zygote.fork_agent(_agent_argv(free_port(), tmp_path / "absent"), env, ROOT)
+            out = agent.stdout.read()
+            agent.stdout.close()
+            assert agent.wait(timeout=60) == 1, out
+            assert f"({zygote.preload_s:.1f}s, once for every run served by {path}; CUDA is hidden from the ranks)" \
+                in out, out
+            assert "FileNotFoundError" in out and "[local-agent] rank 0 exited with 1" in out, out
+            zygote.close()
+        zygote, why = Zygote.connect(path, cmd, {**env, "OMP_NUM_THREADS": "2", "PYTHONPATH": "/x"})
+        assert zygote is None and why == (f"the shared preloaded process {path} started with other values of "
+                                          f"OMP_NUM_THREADS, PYTHONPATH"), why
+        zygote, why = Zygote.connect(path, [PY, "-m", "launcher.cli", "x.yaml"], env)
+        assert zygote is None and why == f"the command is not `{PY} -m` one of launcher.worker", why
+        zygote, why = Zygote.connect(str(tmp_path / "nobody.sock"), cmd, env)
+        assert zygote is None and why.startswith(f"PTQ_LOCAL_ZYGOTE={tmp_path / 'nobody.sock'}: [Errno 2]"), why
+        assert proc.poll() is None
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0
+    assert not os.path.exists(path)
+
+
+@pytest.mark.torch
+@pytest.mark.slow
+def test_launch_forks_its_agents_from_the_shared_zygote_its_environment_names(tmp_path, tiny_dir):
+    """Two `launch --preflight` runs of the tiny example with ``PTQ_LOCAL_ZYGOTE``: every stage's agent
+    of both runs comes from the one shared process; with ``PTQ_LOCAL_ZYGOTE=0`` the run has its own."""
+    from launcher.pipeline import QUIET_WARNINGS
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+           "PYTHONWARNINGS": os.environ.get("PYTHONWARNINGS", QUIET_WARNINGS)}
+    env.pop("PTQ_LOCAL_ZYGOTE", None)
+    proc, path = _start_listener(tmp_path, env)
+    example = os.path.join(ROOT, "examples", "tiny", "Qwen3-MoE-tiny", "megatron_lm_ptq.yaml")
+    try:
+        for run, shared in enumerate((path, path, "0")):
+            out = subprocess.run([PY, "-m", "launcher.cli", example, f"runs_root={tmp_path / str(run)}", "--preflight"],
+                                 cwd=ROOT, env={**env, "PTQ_LOCAL_ZYGOTE": shared}, capture_output=True, text=True,
+                                 timeout=600)
+            text = out.stdout + out.stderr
+            assert out.returncode == 0, text[-3000:]
+            agents = text.count("[local-agent] 4 rank(s) forked after one import of")
+            assert agents == 3, text[-3000:]
+            if shared == "0":
+                assert "s, once for the run; torch is a CPU build)" in text and "served by" not in text, text[-3000:]
+            else:
+                assert text.count(f"s, once for every run served by {path}; torch is a CPU build)") == 4, text[-3000:]
+        assert proc.poll() is None
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

@@ -5,7 +5,9 @@ agent used as a library) in its own process group, tees its output to the stage'
 and to the console, and maps its exit code to a state.  Ctrl-C / SIGTERM stop the whole group.
 Where the ranks are forked (``executor.rank_start=auto`` on CPU: launcher.executors.rank_start),
 the agents themselves are forked from one preloaded process per run
-(``launcher.executors.local_zygote``), so the stack is imported once per run, not once per stage.
+(``launcher.executors.local_zygote``), so the stack is imported once per run, not once per stage;
+where ``PTQ_LOCAL_ZYGOTE`` names a shared preloaded process (``local_zygote --listen PATH``), from that
+one, so it is imported once for many runs (the test session's launches).
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from typing import Iterator
 from launcher.contract import Device, ExitCode, RankStart, StageStatus
 from launcher.executors import rank_start
 from launcher.executors.base import CANCELLED, COMPLETED, FAILED, Progress, StagePlan, StageResult
-from launcher.executors.local_zygote import Zygote, ZygoteGone
+from launcher.executors.local_zygote import SHARED_ENV, Zygote, ZygoteGone
 from launcher.ports import free_port
 
 
@@ -88,8 +90,14 @@ class LocalExecutor:
         env = self.environment(plan)
         if not self._zygote_tried and self.may_fork_agents(plan, env):
             self._zygote_tried = True
-            log.flush()
-            self._zygote, why = Zygote.start(plan.argv, env, log.fileno())
+            shared = os.environ.get(SHARED_ENV, "")
+            if shared not in ("", "0"):
+                self._zygote, why = Zygote.connect(shared, plan.argv, env)
+                if self._zygote is None:
+                    log.write(f"# the shared preloaded process not used: {why}\n")
+            if self._zygote is None:
+                log.flush()
+                self._zygote, why = Zygote.start(plan.argv, env, log.fileno())
             if self._zygote is None:
                 log.write(f"# agents spawned: {why}\n")
         if self._zygote is not None and env == self._zygote.env:

@@ -36,9 +36,10 @@ def parse(argv: list[str]) -> tuple[int, int, str, list[str]]:
     return int(head[0]), int(head[1]), start, cmd
 
 
-def main(argv: list[str], preload_s: Optional[float] = None) -> int:
+def main(argv: list[str], preload_s: Optional[float] = None, shared: Optional[str] = None) -> int:
     """``preload_s``: this agent was forked from the run's preloaded process
-    (``launcher.executors.local_zygote``), whose import of the stack took that long."""
+    (``launcher.executors.local_zygote``), whose import of the stack took that long; ``shared``: the
+    socket of the shared preloaded process that forked it (``PTQ_LOCAL_ZYGOTE``), if it was that one."""
     try:
         nproc, port, start, cmd = parse(argv)
     except ValueError as e:
@@ -52,6 +53,8 @@ def main(argv: list[str], preload_s: Optional[float] = None) -> int:
     if method == rank_start.FORK:
         took = rank_start.preload()   # nothing left to import where the run's preloaded process forked this agent
         when = f"{took:.1f}s" if preload_s is None else f"{preload_s:.1f}s, once for the run"
+        if preload_s is not None and shared:
+            when = f"{preload_s:.1f}s, once for every run served by {shared}"
         print(f"[local-agent] {nproc} rank(s) forked after one import of {', '.join(rank_start.PRELOAD)} "
               f"({when}; {why})", flush=True)
         entrypoint, args = rank_start.run_forked_rank, rank_start.forkable(cmd)

@@ -18,6 +18,19 @@ imports ``rank_start.PRELOAD``, says so, and serves one request at a time:
              killpg), then {"exit": CODE} when it ended (a negative code: the signal that ended it)
 
 It exits when the executor closes its end (the run is over, or ``launch`` died).
+
+**A shared preloaded process** serves many runs (a test session's launches, a loop of runs):
+
+    python -m launcher.executors.local_zygote --listen PATH
+
+imports the stack once, then listens on the ``SOCK_SEQPACKET`` socket PATH (created once the imports
+are done).  A run whose ``PTQ_LOCAL_ZYGOTE`` names PATH (``0`` or empty: none) connects instead of
+starting its own process and sends ``{"cmd": [...], "env": {...}}``; the listener forks a handler for
+the connection, which answers as a run's own process would, then serves that run's requests as above.  It refuses a run
+whose environment differs from its own in a variable read at start or import
+(``rank_start.IMPORT_TIME_PREFIXES``: CUDA_VISIBLE_DEVICES, OMP_NUM_THREADS, PYTHONWARNINGS, ...),
+saying which; that run, and a run that cannot connect, starts its own.  The listener exits when the
+process that started it ends, or on SIGTERM.
 """
 from __future__ import annotations
 
@@ -47,7 +60,10 @@ def receive(sock: socket.socket, max_fds: int = 0) -> tuple[dict | None, list[in
     return (json.loads(data) if data else None), fds
 
 
-def _agent(request: dict, out_fd: int, sock: socket.socket, preload_s: float) -> None:
+SHARED_ENV = "PTQ_LOCAL_ZYGOTE"
+
+
+def _agent(request: dict, out_fd: int, sock: socket.socket, preload_s: float, shared: str | None = None) -> None:
     """The forked agent: its own session, the stage's pipe as stdout and stderr, the stage's env."""
     code = 1
     try:
@@ -64,7 +80,7 @@ def _agent(request: dict, out_fd: int, sock: socket.socket, preload_s: float) ->
         os.environ.update(request["env"])
         from launcher.executors import local_agent
 
-        code = local_agent.main(list(request["argv"]), preload_s=preload_s)
+        code = local_agent.main(list(request["argv"]), preload_s=preload_s, shared=shared)
     except BaseException as e:  # noqa: BLE001 - the agent's own failure is the stage's
         print(f"[local-agent] failed to start: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
     finally:
@@ -73,7 +89,7 @@ def _agent(request: dict, out_fd: int, sock: socket.socket, preload_s: float) ->
         os._exit(code)
 
 
-def serve(sock: socket.socket, preload_s: float) -> int:
+def serve(sock: socket.socket, preload_s: float, shared: str | None = None) -> int:
     while True:
         request, fds = receive(sock, max_fds=1)
         if request is None:
@@ -83,16 +99,108 @@ def serve(sock: socket.socket, preload_s: float) -> int:
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
-            _agent(request, fds[0], sock, preload_s)
+            _agent(request, fds[0], sock, preload_s, shared)
         os.close(fds[0])
         send(sock, {"pid": pid})
         _, status = os.waitpid(pid, 0)
         send(sock, {"exit": os.waitstatus_to_exitcode(status)})
 
 
+def import_time_differences(a: dict, b: dict) -> list[str]:
+    """The variables read at start or import (``rank_start.IMPORT_TIME_PREFIXES``) whose values differ."""
+    from launcher.executors.rank_start import IMPORT_TIME_PREFIXES
+
+    keys = {k for k in (*a, *b) if k.startswith(IMPORT_TIME_PREFIXES)}
+    return sorted(k for k in keys if a.get(k) != b.get(k))
+
+
+def _handle(conn: socket.socket, path: str, preload_s: float, cuda_build: str | None, start_env: dict) -> int:
+    """A forked handler of the shared process: one run's hello, then its requests.  ``start_env``: the
+    shared process's environment before it imported the stack (torch adds TORCHINDUCTOR_CACHE_DIR)."""
+    from launcher.executors import rank_start
+
+    hello, _ = receive(conn)
+    if hello is None:
+        return 0
+    method, why = rank_start.choose("auto", hello["cmd"], hello["env"], cuda_build)
+    differ = import_time_differences(hello["env"], start_env)
+    if method != rank_start.FORK:
+        send(conn, {"fork": False, "why": why})
+        return 0
+    if differ:
+        send(conn, {"fork": False, "why": f"the shared preloaded process {path} started with other values of "
+                                          f"{', '.join(differ)}"})
+        return 0
+    send(conn, {"fork": True, "why": why, "preload_s": round(preload_s, 2)})
+    return serve(conn, preload_s, shared=path)
+
+
+def listen(path: str, poll_s: float = 1.0) -> int:
+    """``--listen PATH``: the shared preloaded process (see the module's docstring)."""
+    import signal
+
+    start_env = dict(os.environ)
+    import torch
+
+    from launcher.executors import rank_start
+
+    took = rank_start.preload()
+    starter = os.getppid()
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    server.bind(tmp)
+    server.listen(16)
+    os.rename(tmp, path)   # the socket appears ready, never half set up
+    server.settimeout(poll_s)
+    stopping = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    try:
+        while not stopping and os.getppid() == starter:
+            try:
+                conn, _ = server.accept()
+            except (socket.timeout, InterruptedError):
+                _reap()
+                continue
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                code = 1
+                try:
+                    server.close()
+                    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                    conn.settimeout(None)
+                    code = _handle(conn, path, took, torch.version.cuda, start_env)
+                finally:
+                    os._exit(code)
+            conn.close()
+            _reap()
+    finally:
+        server.close()
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+    return 0
+
+
+def _reap() -> None:
+    """Collect the handlers that ended (each serves one run and exits with it)."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
 def main(argv: list[str]) -> int:
+    if len(argv) == 2 and argv[0] == "--listen":
+        return listen(argv[1])
     if len(argv) < 3 or argv[1] != "--" or not argv[0].isdigit():
-        print("usage: python -m launcher.executors.local_zygote FD -- CMD...", file=sys.stderr)
+        print("usage: python -m launcher.executors.local_zygote FD -- CMD...\n"
+              "       python -m launcher.executors.local_zygote --listen PATH", file=sys.stderr)
         return 2
     sock = socket.socket(fileno=int(argv[0]))
     import torch
@@ -152,6 +260,7 @@ class Zygote:
     """The executor's handle on one run's preloaded process (``python -m launcher.executors.local_zygote``)."""
 
     def __init__(self, proc, sock: socket.socket, env: dict, preload_s: float):
+        # proc: the run's own preloaded process, or None for the shared one
         self.proc, self.sock, self.env, self.preload_s = proc, sock, env, preload_s
         self.gone = False
 
@@ -172,6 +281,23 @@ class Zygote:
             proc.wait()
             return None, (hello or {}).get("why") or f"the preloaded process exited {proc.returncode} before it answered"
         return cls(proc, parent, dict(env), float(hello["preload_s"])), hello["why"]
+
+    @classmethod
+    def connect(cls, path: str, cmd: list[str], env: dict) -> tuple["Zygote | None", str]:
+        """Use the shared preloaded process listening on ``path`` (``PTQ_LOCAL_ZYGOTE``) for ranks running
+        ``cmd`` with ``env``: (the zygote, why) where it serves this run, else (None, why not)."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            sock.connect(path)
+            send(sock, {"cmd": list(cmd), "env": dict(env)})
+            hello, _ = receive(sock)
+        except OSError as e:
+            sock.close()
+            return None, f"{SHARED_ENV}={path}: {e}"
+        if not hello or not hello["fork"]:
+            sock.close()
+            return None, (hello or {}).get("why") or f"the shared preloaded process {path} ended before it answered"
+        return cls(None, sock, dict(env), float(hello["preload_s"])), f"{hello['why']}; shared: {path}"
 
     def fork_agent(self, argv: list[str], env: dict, cwd: str) -> ForkedAgent:
         """Fork a stage's agent (``local_agent.main(argv)``) with ``env``, which must be the zygote's own."""
@@ -196,10 +322,13 @@ class Zygote:
                                                                 errors="replace"))
 
     def close(self) -> None:
-        """Close our end (the zygote exits on it); kill it if it does not within 10 s."""
+        """Close our end (the zygote, or the shared one's handler, exits on it); kill a run's own zygote
+        if it does not within 10 s."""
         import subprocess
 
         self.sock.close()
+        if self.proc is None:   # the shared process: its handler for this run ends, the process goes on
+            return
         try:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
