@@ -43,6 +43,23 @@ def locked(path: Path) -> Iterator[None]:
             fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
+def lock_path(target: Path) -> Path:
+    """The lock every builder of ``target`` takes: ``<parent>/.<name>.lock``."""
+    return target.parent / f".{target.name}.lock"
+
+
+def holds_lock(path: Path) -> bool:
+    """Whether another process holds the exclusive fcntl lock on the file ``path`` now."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as f:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+        return False
+
+
 def locked_build(target: Path, is_current: Callable[[], bool], build: Callable[[Path], object], *,
                  force: bool = False) -> Path:
     """``target``, built by ``build(tmp)`` unless ``is_current()`` (see the module's docstring)."""
@@ -50,7 +67,7 @@ def locked_build(target: Path, is_current: Callable[[], bool], build: Callable[[
         raise ValueError(f"{target} exists and is not a directory")
     if not force and is_current():
         return target
-    with locked(target.parent / f".{target.name}.lock"):
+    with locked(lock_path(target)):
         if not force and is_current():   # another process built it meanwhile
             return target
         for stale in list(target.parent.glob(f".{target.name}.tmp-*")) + list(target.parent.glob(f".{target.name}.old-*")):

@@ -22,7 +22,7 @@ imported (CUDA_VISIBLE_DEVICES, PYTHONPATH, OMP_NUM_THREADS, ...).  For the firs
 whose ranks need it sets ``FRESH_RANKS = True`` (tests/test_nemotron_h_model.py and
 tests/test_gpu_nemotron_h.py: the Mamba stub must precede ``megatron.core.ssm.mamba_mixer``, which
 an earlier job's ModelOpt importer may have imported without it); for the second, run_on_ranks
-compares the job's environment with the pool's (``ranks.IMPORT_TIME_PREFIXES``).  In both cases
+compares the job's environment with the pool's (``launcher.executors.rank_start.IMPORT_TIME_PREFIXES``).  In both cases
 run_on_ranks starts fresh processes.
 
 A job that fails ends its worker with the job's exit code, exactly as a fresh rank would

@@ -23,7 +23,7 @@ Where the ranks run:
   import a module for the first time under the job's conditions, e.g. the Mamba stub before
   ``megatron.core.ssm.mamba_mixer``); ``nprocs > POOL_SIZE``; or the rank environment differs
   from the one the pool was started with in a variable read at interpreter start or when the
-  preloaded libraries are imported (``IMPORT_TIME_PREFIXES``: CUDA_VISIBLE_DEVICES, PYTHONPATH,
+  preloaded libraries are imported (``rank_start.IMPORT_TIME_PREFIXES``: CUDA_VISIBLE_DEVICES, PYTHONPATH,
   OMP_NUM_THREADS, HF_HUB_OFFLINE, TORCHINDUCTOR_*, ...), e.g. ``env={"CUDA_VISIBLE_DEVICES": ""}``
   where the session leaves it unset.  Any other difference (``env=``, or ``os.environ`` changed
   since the pool started) is applied to the pooled job's environment, variables removed included,
@@ -43,7 +43,7 @@ import tempfile
 import time
 from typing import Optional
 
-from launcher.executors.rank_start import IMPORT_TIME_PREFIXES
+from launcher.executors.rank_start import import_time_differences
 from launcher.ports import free_port  # noqa: F401 (also what benchmarks/_common re-exports)
 from launcher_testing import rank_pool
 from launcher_testing.rank_pool import RANK_KEYS, JobFailure, RankPool, failure_message, rank_vars
@@ -93,7 +93,7 @@ def fresh_reason(target: str, nprocs: int, env: dict[str, str] | None = None) ->
         return f"{module} sets FRESH_RANKS = True"
     if nprocs > POOL_SIZE:
         return f"nprocs={nprocs} is more than the pool's {POOL_SIZE} ranks"
-    late = sorted(k for k in env_changes(rank_base_env(env)) if k.startswith(IMPORT_TIME_PREFIXES))
+    late = import_time_differences(rank_base_env(env), _pool.env if _pool is not None else rank_base_env())
     if late:
         return f"{', '.join(late)} must be set when a rank starts (the pool's workers have other values)"
     return None

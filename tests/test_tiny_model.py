@@ -176,7 +176,8 @@ def test_a_background_build_is_waited_for_by_the_next_caller(tmp_path, capsys):
     making its own; a second start finds the build current."""
     import sys
 
-    from launcher_testing.tiny.__main__ import holds_lock, start_in_background
+    from launcher_testing.locked_build import holds_lock
+    from launcher_testing.tiny.__main__ import start_in_background
 
     out, log = tmp_path / "m", tmp_path / "build.log"
     quick = {f.name: getattr(QUICK, f.name) for f in dataclasses.fields(QUICK)

@@ -52,9 +52,10 @@ def main(argv: list[str], preload_s: Optional[float] = None, shared: Optional[st
     entrypoint, args = cmd[0], cmd[1:]
     if method == rank_start.FORK:
         took = rank_start.preload()   # nothing left to import where the run's preloaded process forked this agent
-        when = f"{took:.1f}s" if preload_s is None else f"{preload_s:.1f}s, once for the run"
-        if preload_s is not None and shared:
-            when = f"{preload_s:.1f}s, once for every run served by {shared}"
+        if preload_s is None:
+            when = f"{took:.1f}s"
+        else:
+            when = f"{preload_s:.1f}s, " + (f"once for every run served by {shared}" if shared else "once for the run")
         print(f"[local-agent] {nproc} rank(s) forked after one import of {', '.join(rank_start.PRELOAD)} "
               f"({when}; {why})", flush=True)
         entrypoint, args = rank_start.run_forked_rank, rank_start.forkable(cmd)

@@ -106,14 +106,6 @@ def serve(sock: socket.socket, preload_s: float, shared: str | None = None) -> i
         send(sock, {"exit": os.waitstatus_to_exitcode(status)})
 
 
-def import_time_differences(a: dict, b: dict) -> list[str]:
-    """The variables read at start or import (``rank_start.IMPORT_TIME_PREFIXES``) whose values differ."""
-    from launcher.executors.rank_start import IMPORT_TIME_PREFIXES
-
-    keys = {k for k in (*a, *b) if k.startswith(IMPORT_TIME_PREFIXES)}
-    return sorted(k for k in keys if a.get(k) != b.get(k))
-
-
 def _handle(conn: socket.socket, path: str, preload_s: float, cuda_build: str | None, start_env: dict) -> int:
     """A forked handler of the shared process: one run's hello, then its requests.  ``start_env``: the
     shared process's environment before it imported the stack (torch adds TORCHINDUCTOR_CACHE_DIR)."""
@@ -123,7 +115,7 @@ def _handle(conn: socket.socket, path: str, preload_s: float, cuda_build: str | 
     if hello is None:
         return 0
     method, why = rank_start.choose("auto", hello["cmd"], hello["env"], cuda_build)
-    differ = import_time_differences(hello["env"], start_env)
+    differ = rank_start.import_time_differences(hello["env"], start_env)
     if method != rank_start.FORK:
         send(conn, {"fork": False, "why": why})
         return 0

@@ -67,6 +67,13 @@ def choose(requested: str, cmd: Sequence[str], environ: Mapping[str, str], cuda_
     return SPAWN, "the ranks may use a GPU (CUDA must not be initialised before a fork)"
 
 
+def import_time_differences(a: Mapping[str, str], b: Mapping[str, str]) -> list[str]:
+    """The variables read at start or import (``IMPORT_TIME_PREFIXES``) whose values differ between two
+    environments (one set, the other not, counts): what a preloaded process cannot give a forked child."""
+    keys = {k for k in (*a, *b) if k.startswith(IMPORT_TIME_PREFIXES)}
+    return sorted(k for k in keys if a.get(k) != b.get(k))
+
+
 NVIDIA_CONTROL_DEVICE = "/dev/nvidiactl"
 
 

@@ -11,29 +11,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import fcntl
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from launcher_testing.locked_build import holds_lock, lock_path
 from launcher_testing.tiny.build import MODEL_NAME, TINY_MODELS, default_dir, ensure_tiny_model, is_current
 from launcher_testing.tiny.train import Recipe
 
 LOCK_WAIT_S = 300.0   # the detached builder imports torch and transformers before it takes the lock
-
-
-def holds_lock(lock: Path) -> bool:
-    """Whether another process holds the exclusive fcntl lock on ``lock`` now."""
-    lock.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock, "a+") as f:
-        try:
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        fcntl.flock(f.fileno(), fcntl.LOCK_UN)
-        return False
 
 
 def start_in_background(target: Path, recipe: Recipe, builder: list[str], log: Path,
@@ -44,7 +31,7 @@ def start_in_background(target: Path, recipe: Recipe, builder: list[str], log: P
     if is_current(target, recipe):
         print(target, flush=True)
         return 0
-    lock = target.parent / f".{target.name}.lock"
+    lock = lock_path(target)
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as out:
         proc = subprocess.Popen(builder, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
