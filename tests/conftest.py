@@ -68,21 +68,23 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # ---------------------------------------------------------------- the session's shared preloaded process
 @pytest.fixture(scope="session", autouse=True)
-def shared_local_zygote(tmp_path_factory):
+def shared_local_zygote(request, tmp_path_factory):
     """One preloaded process per session (per xdist worker) for the local `launch` runs the tests start:
     ``python -m launcher.executors.local_zygote --listen PATH``, named by ``PTQ_LOCAL_ZYGOTE`` in this
     process's environment, which the runs inherit.  Each run's agents are forked from it instead of
     from a process of the run's own that imports the stack again (about 9 s of a core per run here).
     Started in the background: a run that starts before its imports are done, or whose environment
     differs in a variable read at import, starts its own as before (its stage log says why).  Not in a
-    torch-free run, nor where a GPU may be visible; ``PTQ_LOCAL_ZYGOTE`` set before the session (``0``:
-    off) is left as it is.  The shared tiny run (tests/shared_runs.py) keeps its own per-run process."""
+    torch-free run, nor in a session without a `torch` test (none would launch), nor where a GPU may
+    be visible; ``PTQ_LOCAL_ZYGOTE`` set before the session (``0``: off) is left as it is.  The shared tiny run (tests/shared_runs.py) keeps its own per-run process."""
     import subprocess
 
     from launcher.executors import rank_start
     from launcher.executors.local_zygote import SHARED_ENV
 
-    if os.environ.get("PTQ_TORCH_FREE") == "1" or SHARED_ENV in os.environ or rank_start.gpu_may_be_visible(os.environ):
+    if (os.environ.get("PTQ_TORCH_FREE") == "1" or SHARED_ENV in os.environ
+            or not any(item.get_closest_marker("torch") for item in request.session.items)
+            or rank_start.gpu_may_be_visible(os.environ)):
         yield None
         return
     from launcher.pipeline import QUIET_WARNINGS
